@@ -1,0 +1,1 @@
+"""The bundled tiny LLaVA: vocabulary, tokenizer/processor, model builder, data generator, trainer."""
