@@ -3,8 +3,10 @@
 A policy never touches storage and the cache never decides:
 - an `EvictionPolicy` turns what a layer's prefill produced (`PrefillContext`) into a score per
   cached token and KV head (higher = keep); the cache applies budgets, sinks and the recent window;
-- a `RetrievalPolicy` turns a decode query and the cache's per-page summaries into the pages each
-  KV head reads at this step.
+- a `RetrievalPolicy` builds per-page summaries when pages close (`summarize(PageBatch)`) and, at each
+  decode step, scores the pages of each KV head (`score_pages(DecodeContext)`); the cache keeps the
+  summaries, picks the top pages (`select`) and computes exact attention over them plus the pages it
+  always reads (sinks, recent window, the open page).
 
 Adding a method is one class here (or in a sibling file) plus `register_eviction` / `register_retrieval`.
 """
@@ -37,6 +39,7 @@ class PrefillContext:
     scaling: float  # the attention's softmax scale
     module: Any = None  # the attention module (o_proj etc.), for policies that need the layer's weights
     extra: dict = field(default_factory=dict)  # per-request state shared across layers (e.g. FastV's ranking)
+    chunk_size: int = 512  # query rows per chunk when a policy computes attention rows
 
     @property
     def valid(self) -> torch.Tensor:
@@ -51,7 +54,8 @@ class PrefillContext:
 class EvictionPolicy:
     """Scores prompt tokens per KV head once prefill of a layer is done. Subclasses set `name` and
     override `score`. `needs_queries = True` makes the cache pass the layer's queries (the attention
-    rows a method uses must then be computed in chunks, never the full N x N matrix)."""
+    rows a method uses must then be computed in chunks, never the full N x N matrix).
+    Scores of padding tokens are ignored (the cache never keeps padding)."""
 
     name: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False
@@ -64,14 +68,67 @@ class EvictionPolicy:
         return False
 
 
+@dataclass
+class PageBatch:
+    """Pages of one layer (all KV heads), handed to `RetrievalPolicy.summarize` when they close: after
+    prefill (every prompt page) and during decode (each text page that fills up). Shapes: P pages in
+    this batch, T = the longest page. Page `j` here is entry `first_page + j` of the layer's page table."""
+
+    layer_idx: int
+    keys: torch.Tensor  # (B, Hkv, P, T, D) after RoPE; rows past a page's length are 0
+    values: torch.Tensor  # (B, Hkv, P, T, D)
+    mask: torch.Tensor  # (B, Hkv, P, T) bool, True for real tokens
+    kind: torch.Tensor  # (B, Hkv, P) int8: TEXT, IMAGE or PAD (an empty page slot of a shorter head)
+    first_page: int
+    module: Any = None  # the layer's attention module (o_proj, num_key_value_groups, head_dim)
+
+    @property
+    def lengths(self) -> torch.Tensor:  # (B, Hkv, P) long
+        return self.mask.sum(-1)
+
+
+@dataclass
+class DecodeContext:
+    """What a retrieval policy sees at one decode step of one layer. P = pages in the layer's table."""
+
+    layer_idx: int
+    query: torch.Tensor  # (B, Hq, Q, D) after RoPE (Q = 1 at decode; more when a later turn is fed in)
+    summaries: dict[str, torch.Tensor]  # what `summarize` returned, concatenated over pages: (B, Hkv, P, ...)
+    page_start: torch.Tensor  # (B, Hkv, P) long, first slot of each page in the head's storage
+    page_len: torch.Tensor  # (B, Hkv, P) long, 0 for an empty slot
+    page_kind: torch.Tensor  # (B, Hkv, P) int8
+    candidates: torch.Tensor  # (B, Hkv, P) bool: pages the budget applies to (others: always / never read)
+    scaling: float
+    module: Any = None
+    extra: dict = field(
+        default_factory=dict
+    )  # per-step state: "last_hidden" (B, hidden) of the previous token
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.query.shape[1] // self.page_start.shape[1]
+
+
 class RetrievalPolicy:
-    """Chooses, at each decode step and layer, which closed pages each KV head reads."""
+    """Chooses, at each decode step and layer, which closed pages each KV head reads.
+
+    Subclasses override `summarize` (per-page summaries from keys/values: any dict of tensors with
+    leading dims (B, Hkv, P)) and `score_pages` (higher = read). `select` takes the top
+    `ceil(read_budget * candidates)` pages per head; override it for another selection rule."""
 
     name: ClassVar[str] = ""
 
-    def select(self, query: torch.Tensor, summaries: Any, num_pages: int) -> torch.Tensor:
-        """query (B, Hq, 1, D) -> page indices (B, Hkv, num_pages), -1 for none."""
+    def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def score_pages(self, ctx: DecodeContext) -> torch.Tensor:  # (B, Hkv, P) float
+        raise NotImplementedError
+
+    def select(self, ctx: DecodeContext, read_budget: float) -> torch.Tensor:
+        """-> (B, Hkv, P) bool, the candidate pages read at this step."""
+        n = ctx.candidates.sum(-1)  # (B, Hkv)
+        k = torch.ceil(n.double() * read_budget - 1e-9).long().clamp(min=0).minimum(n)
+        return topk_mask(self.score_pages(ctx), ctx.candidates, k)
 
 
 EVICTION_REGISTRY: dict[str, type[EvictionPolicy]] = {}
@@ -88,15 +145,61 @@ def register_retrieval(cls: type[RetrievalPolicy]) -> type[RetrievalPolicy]:
     return cls
 
 
+def _load_builtin_policies() -> None:
+    """Import the files that register the project's methods (a missing optional file is skipped)."""
+    import importlib
+
+    for mod in ("heuristics", "kvp", "pagebases", "router"):
+        try:
+            importlib.import_module(f"{__package__}.{mod}")
+        except ModuleNotFoundError as e:  # a family not built yet
+            if e.name != f"{__package__}.{mod}":
+                raise
+
+
 def make_eviction(name: str, **options: Any) -> EvictionPolicy:
+    _load_builtin_policies()
     if name not in EVICTION_REGISTRY:
-        known = ", ".join(sorted(EVICTION_REGISTRY))
+        known = ", ".join(sorted(["full", *EVICTION_REGISTRY]))
         raise ConfigError(f"unknown eviction method {name!r}; known methods: {known}")
-    return EVICTION_REGISTRY[name](**options)
+    try:
+        return EVICTION_REGISTRY[name](**options)
+    except TypeError as e:
+        raise ConfigError(f"bad options {options} for eviction method {name!r}: {e}") from e
 
 
 def make_retrieval(name: str, **options: Any) -> RetrievalPolicy:
+    _load_builtin_policies()
     if name not in RETRIEVAL_REGISTRY:
         known = ", ".join(sorted(RETRIEVAL_REGISTRY))
         raise ConfigError(f"unknown retrieval method {name!r}; known methods: {known}")
-    return RETRIEVAL_REGISTRY[name](**options)
+    try:
+        return RETRIEVAL_REGISTRY[name](**options)
+    except TypeError as e:
+        raise ConfigError(f"bad options {options} for retrieval method {name!r}: {e}") from e
+
+
+def known_methods() -> tuple[list[str], list[str]]:
+    """(eviction methods incl. "full", retrieval methods) currently registered."""
+    _load_builtin_policies()
+    return sorted(["full", *EVICTION_REGISTRY]), sorted(RETRIEVAL_REGISTRY)
+
+
+def topk_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per row, True for the `k` highest scores among `eligible` entries (ties: lower index first).
+    scores/eligible (..., N), k (...) long."""
+    s = scores.float().masked_fill(~eligible, float("-inf"))
+    order = s.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return (rank < k.unsqueeze(-1)) & eligible
+
+
+def budget_count(budget: float | int, n: torch.Tensor) -> torch.Tensor:
+    """Tokens kept out of `n` (a tensor of counts) for a budget: a float in (0, 1] is a fraction
+    (rounded up), an int a token count (at most n)."""
+    if isinstance(budget, bool):
+        raise ConfigError("a budget is a fraction in (0, 1] or a token count, not a bool")
+    if isinstance(budget, int):
+        return n.clamp(max=budget)
+    return torch.ceil(n.double() * budget - 1e-9).long().clamp(min=0, max=None).minimum(n)
