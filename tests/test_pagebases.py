@@ -135,10 +135,10 @@ def test_group_combination_is_a_distribution_over_pages_per_kv_head():
     )  # 2 query heads, 1 KV head
     c = combine_group(scores, 1)
     assert c.shape == (1, 1, 3)
-    assert torch.allclose(c.sum(-1), torch.ones(1, 1))
-    assert c[0, 0, 2] == 0
+    assert torch.allclose(c.exp().sum(-1), torch.ones(1, 1))
+    assert c[0, 0, 2] == float("-inf")
     want = 0.5 * (torch.softmax(torch.tensor([0.0, 1.0]), 0) + torch.softmax(torch.tensor([2.0, 0.0]), 0))
-    assert torch.allclose(c[0, 0, :2], want)
+    assert torch.allclose(c[0, 0, :2].exp(), want)
 
 
 def test_top_pages_respects_forced_and_invalid_pages_and_pads_with_minus_one():
@@ -171,3 +171,75 @@ def test_bad_knobs_raise_config_errors():
         page_bases(k, rank=0)
     with pytest.raises(ConfigError, match="values"):
         page_bases(k, eta=0.5)
+
+
+def _page_batch(keys, mask, module=None, first_page=0):
+    from mm_oval.policies.base import IMAGE, PageBatch
+
+    kind = torch.full(keys.shape[:3], IMAGE, dtype=torch.int8)
+    return PageBatch(0, keys, torch.randn_like(keys), mask, kind, first_page, module)
+
+
+@pytest.mark.parametrize("name,options", [("locks", {}), ("oval", {"eta": 0.25}), ("oval", {"eta": 1.0})])
+def test_policies_summarize_batches_of_pages_that_concatenate_and_score_like_the_exact_mass(
+    name, options, tiny_random_llava
+):
+    from mm_oval.policies.base import DecodeContext, make_retrieval
+
+    model, _ = tiny_random_llava
+    module = model.model.language_model.layers[1].self_attn
+    d = module.head_dim
+    policy = make_retrieval(name, rank=8, max_page_tokens=16, **options)
+    torch.manual_seed(7)
+    # prompt pages of 4 tokens (image tiles, one partly evicted), then a closed 8-token decode page
+    k1 = torch.randn(1, 2, 3, 4, d)
+    m1 = torch.ones(1, 2, 3, 4, dtype=torch.bool)
+    m1[0, 1, 2, 3] = False
+    k1[~m1] = 0
+    k2 = torch.randn(1, 2, 1, 8, d)
+    m2 = torch.ones(1, 2, 1, 8, dtype=torch.bool)
+    parts = [policy.summarize(_page_batch(k1, m1, module)), policy.summarize(_page_batch(k2, m2, module, 3))]
+    summaries = {key: torch.cat([p[key] for p in parts], 2) for key in parts[0]}
+    page_len = torch.cat([m1.sum(-1), m2.sum(-1)], 2)
+    q = torch.randn(1, 4, 1, d)
+    ctx = DecodeContext(
+        layer_idx=1,
+        query=q,
+        summaries=summaries,
+        page_start=torch.zeros_like(page_len),
+        page_len=page_len,
+        page_kind=torch.ones_like(page_len, dtype=torch.int8),
+        candidates=torch.ones_like(page_len, dtype=torch.bool),
+        scaling=d**-0.5,
+        module=module,
+    )
+    got = policy.score_pages(ctx)
+    # pages of <= 8 tokens have centred rank <= 7 < 8: every basis is exact, so the score is the exact
+    # group-combined log attention mass whatever eta is
+    full_keys = torch.zeros(1, 2, 4, 8, d)
+    full_keys[:, :, :3, :4] = k1
+    full_keys[:, :, 3] = k2[:, :, 0]
+    full_mask = torch.zeros(1, 2, 4, 8, dtype=torch.bool)
+    full_mask[:, :, :3, :4] = m1
+    full_mask[:, :, 3] = True
+    want = combine_group(exact_page_log_mass(q[:, :, 0], full_keys, full_mask, d**-0.5), 2)
+    assert got.shape == (1, 2, 4)
+    assert torch.allclose(got, want, atol=1e-4)
+    chosen = policy.select(ctx, 0.5)
+    assert chosen.sum(-1).tolist() == [[2, 2]]
+    assert torch.equal(chosen, want.argsort(-1, descending=True).argsort(-1) < 2)
+
+
+def test_oval_needs_the_layer_module_and_pages_must_fit_the_coefficient_store():
+    from mm_oval.policies.base import make_retrieval
+
+    k = torch.randn(1, 1, 2, 8, 16)
+    m = torch.ones(1, 1, 2, 8, dtype=torch.bool)
+    with pytest.raises(ConfigError, match="module"):
+        make_retrieval("oval").summarize(_page_batch(k, m))
+    with pytest.raises(ConfigError, match="max_page_tokens"):
+        make_retrieval("locks", max_page_tokens=4).summarize(_page_batch(k, m))
+    with pytest.raises(ConfigError, match="eta"):
+        make_retrieval("oval", eta=2)
+    with pytest.raises(ConfigError, match="eta"):
+        make_retrieval("locks", eta=0.5)

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..errors import ConfigError
+from .base import DecodeContext, PageBatch, RetrievalPolicy, register_retrieval
 
 NEG_INF = float("-inf")
 
@@ -203,11 +205,30 @@ def exact_page_log_mass(
 
 
 def combine_group(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """GQA combination: softmax over pages per query head, averaged across each KV head's group.
-    scores (B, Hq, P) (log masses, -inf for empty pages) -> (B, Hkv, P) in [0, 1]."""
+    """GQA combination: log of the per-query-head softmax over pages, averaged across each KV head's group.
+    scores (B, Hq, P) (log masses, -inf for empty pages) -> (B, Hkv, P); exp() of a row sums to 1 and
+    empty pages score -inf (the contract of mm_oval.kernels' page scoring)."""
     b, hq, p = scores.shape
     probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0)
-    return probs.reshape(b, num_kv_heads, hq // num_kv_heads, p).mean(2)
+    return probs.reshape(b, num_kv_heads, hq // num_kv_heads, p).mean(2).log()
+
+
+def lowrank_page_scores(
+    q: torch.Tensor,
+    mu: torch.Tensor,
+    basis: torch.Tensor,
+    coef: torch.Tensor,
+    page_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """LOCKS / OVAL page scores with the GQA combination, in the page-scoring kernel's signature:
+    q (B, Hq, D), mu (B, Hkv, P, D), basis (B, Hkv, P, D, R), coef (B, Hkv, P, T, R), page_len (B, Hkv, P)
+    -> (B, Hkv, P) fp32, log mean_g softmax_pages(s_gj)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    t = coef.shape[-2]
+    mask = torch.arange(t, device=coef.device) < page_len.unsqueeze(-1)
+    raw = basis_scores(q, PageBasisSummary(mu, basis, coef, mask), scale)
+    return combine_group(raw, mu.shape[1])
 
 
 def top_pages(
@@ -263,3 +284,108 @@ def attention_mass_captured(attn: torch.Tensor, read: torch.Tensor, top: int | N
         val, idx = a.topk(top, dim=-1)
         return (val * r.gather(-1, idx)).sum(-1) / val.sum(-1).clamp_min(1e-30)
     return (a * r).sum(-1) / a.sum(-1).clamp_min(1e-30)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the retrieval policies (the cache's seam: summarize closed pages, score pages at each decode step)
+
+
+def _kernel(name: str):
+    """mm_oval.kernels' dispatching function `name` when it exists (Triton on CUDA, torch elsewhere)."""
+    try:
+        from .. import kernels
+    except ImportError:  # pragma: no cover - the package always ships kernels/
+        return None
+    return getattr(kernels, name, None)
+
+
+def mean_over_queries(per_query: list[torch.Tensor]) -> torch.Tensor:
+    """Combine log page scores of several query rows (a later turn fed in at once) as log mean exp."""
+    if len(per_query) == 1:
+        return per_query[0]
+    stacked = torch.stack(per_query, 0)
+    return torch.logsumexp(stacked, 0) - math.log(len(per_query))
+
+
+def layer_output_metric(module, cache: dict) -> torch.Tensor:
+    """G = sum_g W_g^T W_g per KV head for an attention module (o_proj, head_dim, num_key_value_groups),
+    cached per weight tensor and version (computed once per layer)."""
+    weight = module.o_proj.weight
+    key = (id(weight), weight._version, weight.device)
+    if key not in cache:
+        d = int(module.head_dim)
+        hq = weight.shape[1] // d
+        hkv = hq // int(module.num_key_value_groups)
+        if len(cache) > 256:
+            cache.clear()
+        cache[key] = output_metric(weight, hq, hkv)
+    return cache[key]
+
+
+@dataclass
+class _BasisRetrieval(RetrievalPolicy):
+    """Shared body of LOCKS and OVAL: a rank-r page basis per page and KV head, scored without keys."""
+
+    rank: int = 8
+    eta: float = 0.0
+    max_page_tokens: int = 32  # page capacity T of the stored coefficients (pages are padded to it)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"{self.name}: rank must be an int >= 1, got {self.rank!r}")
+        if not isinstance(self.eta, (int, float)) or not 0.0 <= float(self.eta) <= 1.0:
+            raise ConfigError(f"{self.name}: eta must lie in [0, 1], got {self.eta!r}")
+        if isinstance(self.max_page_tokens, bool) or not isinstance(self.max_page_tokens, int):
+            raise ConfigError(f"{self.name}: max_page_tokens must be an int, got {self.max_page_tokens!r}")
+        self.eta = float(self.eta)
+        self._metrics: dict = {}
+
+    def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
+        t = pages.keys.shape[-2]
+        if t > self.max_page_tokens:
+            raise ConfigError(
+                f"{self.name}: a page of {t} tokens exceeds max_page_tokens={self.max_page_tokens}; "
+                f"pass retrieval_options={{'max_page_tokens': {t}}} or use smaller pages"
+            )
+        metric = None
+        if self.eta > 0:
+            if pages.module is None or not hasattr(pages.module, "o_proj"):
+                raise ConfigError(f"{self.name}: eta > 0 needs the layer's attention module (its o_proj)")
+            metric = layer_output_metric(pages.module, self._metrics).to(pages.keys.device)[None, :, None]
+        s = page_bases(
+            pages.keys, pages.mask, rank=self.rank, eta=self.eta, values=pages.values, metric=metric
+        )
+        coef = torch.nn.functional.pad(s.coeffs, (0, 0, 0, self.max_page_tokens - t))
+        return {"mu": s.centroid, "basis": s.basis, "coef": coef}
+
+    def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
+        fn = _kernel("page_score_lowrank") or lowrank_page_scores
+        sm = ctx.summaries
+        rows = [
+            fn(ctx.query[:, :, i], sm["mu"], sm["basis"], sm["coef"], ctx.page_len, ctx.scaling)
+            for i in range(ctx.query.shape[2])
+        ]
+        return mean_over_queries(rows)
+
+
+@register_retrieval
+@dataclass
+class LocksRetrieval(_BasisRetrieval):
+    """LOCKS: page-local key PCA (the eta = 0 case of OVAL). Options: rank (8), max_page_tokens (32)."""
+
+    name: ClassVar[str] = "locks"
+
+    def __post_init__(self) -> None:
+        if self.eta != 0.0:
+            raise ConfigError("locks is OVAL with eta = 0; use retrieval 'oval' with an eta option instead")
+        super().__post_init__()
+
+
+@register_retrieval
+@dataclass
+class OvalRetrieval(_BasisRetrieval):
+    """OVAL: output-aware page bases. Options: eta (0.5; 0 = LOCKS, 1 = output-only), rank (8),
+    max_page_tokens (32)."""
+
+    name: ClassVar[str] = "oval"
+    eta: float = 0.5
