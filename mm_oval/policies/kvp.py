@@ -1,0 +1,539 @@
+"""KVP: learned per-head eviction agents (inference side).
+
+One small agent per (layer, KV head) scores every cached prompt token from its key, its value and its
+position; the cache keeps the best-scored tokens. Trained offline with REINFORCE to rank tokens by the
+attention they will receive from the answer (see `mm_oval.training.kvp`). Beyond the paper the agents
+also see the token's modality and, for image tokens, its (row, col) in the patch grid, plus its
+relative place in the prompt.
+
+All agents of a model live in one `KVPAgents` module whose weights are stacked along a leading agent
+axis (agent = layer * num_kv_heads + head), so one batched matmul scores every head of a layer (or,
+in training, every head of every layer). The layout is documented in docs/kvp.md for the Triton kernel.
+
+Scores returned to the cache are per-head log-softmax normalised (a token's log share of its head's
+Plackett-Luce mass), so they can also be ranked jointly across the heads of a layer (shared head budget).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError, ModelError
+from .base import IMAGE, PAD, TEXT, EvictionPolicy, PrefillContext, register_eviction
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "kvp_config.json"
+WEIGHTS_NAME = "kvp_agents.safetensors"
+FORMAT = "mm-oval-kvp"
+FORMAT_VERSION = 1
+EXTRA_FEATURES = ("modality", "grid", "relpos")
+_FOURIER = (1.0, 2.0, 4.0)
+# width of each extra feature group (see `extra_features`)
+_EXTRA_WIDTH = {"modality": 2, "grid": 2 + 4 * len(_FOURIER), "relpos": 2 + 2 * len(_FOURIER)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model signature: what the agents were trained for
+# ----------------------------------------------------------------------------------------------------------
+
+
+def text_config_of(model_or_config: Any) -> Any:
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def decoder_layers(model: Any) -> Any:
+    """The language model's decoder layers of a LLaVA-style (or plain causal) model."""
+    for path in ("model.language_model.layers", "language_model.model.layers", "model.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return obj
+    raise ModelError(
+        f"cannot find the decoder layers of {type(model).__name__}; KVP supports LLaVA-style models whose "
+        "language model is a Llama/Mistral/Qwen2-like decoder (model.model.language_model.layers)"
+    )
+
+
+def _probe_from_attention(attn: Any) -> list[float]:
+    """A few raw weights of one attention module: cheap, dtype-robust evidence of which model this is."""
+    vals: list[float] = []
+    for name in ("k_proj", "v_proj"):
+        lin = getattr(attn, name, None)
+        if lin is None or not hasattr(lin, "weight"):
+            return []
+        vals.extend(float(x) for x in lin.weight.detach()[0, :4].float().cpu())
+    return vals
+
+
+def model_signature(model: Any) -> dict:
+    """Shape and weight fingerprint of a model, as recorded in a KVP checkpoint's JSON config."""
+    tc = text_config_of(model)
+    num_heads = int(tc.num_attention_heads)
+    head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // num_heads)
+    layers = decoder_layers(model)
+    probe = [_probe_from_attention(layer.self_attn) for layer in layers]
+    cfg = model.config
+    sig = {
+        "num_layers": int(tc.num_hidden_layers),
+        "num_kv_heads": int(getattr(tc, "num_key_value_heads", None) or num_heads),
+        "num_heads": num_heads,
+        "head_dim": head_dim,
+        "hidden_size": int(tc.hidden_size),
+        "max_positions": int(getattr(tc, "max_position_embeddings", 4096)),
+        "image_token_id": getattr(cfg, "image_token_id", None),
+        "image_seq_length": getattr(cfg, "image_seq_length", None),
+        "name_or_path": str(getattr(cfg, "_name_or_path", "") or ""),
+        "probe": probe,
+    }
+    sig["fingerprint"] = fingerprint_digest(probe)
+    return sig
+
+
+def fingerprint_digest(probe: list[list[float]]) -> str:
+    rounded = [[float(f"{x:.2g}") for x in row] for row in probe]
+    return hashlib.sha256(json.dumps(rounded).encode()).hexdigest()[:16]
+
+
+def _probe_matches(a: list[float], b: list[float]) -> bool:
+    if len(a) != len(b):
+        return False
+    if not a:
+        return True
+    ta, tb = torch.tensor(a), torch.tensor(b)
+    return bool(torch.allclose(ta, tb, rtol=2e-2, atol=1e-3))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the agents
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVPAgentConfig:
+    """Shape of the agents. The paper's reference: hidden 256, position table 6000 x 32, no extra features."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int = 64
+    pos_table: int = 1024
+    pos_dim: int = 16
+    extra_dim: int = 16
+    extra_features: tuple[str, ...] = EXTRA_FEATURES
+    shared: bool = False  # one agent for every (layer, head) instead of one each (ablation)
+    grid_side: int = 0  # image patch grid side (e.g. 8 for 64 image tokens); 0 = infer per prompt
+    sinks: int = 4  # always-kept first tokens (excluded from training rankings)
+    recent: int = 16  # always-kept last prompt tokens (excluded from training rankings)
+
+    def __post_init__(self) -> None:
+        self.extra_features = tuple(self.extra_features)
+        unknown = set(self.extra_features) - set(EXTRA_FEATURES)
+        if unknown:
+            raise ConfigError(f"unknown KVP features {sorted(unknown)}; choose from {list(EXTRA_FEATURES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden", "pos_table", "pos_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"KVP agent config: {name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def num_agents(self) -> int:
+        return self.num_layers * self.num_kv_heads
+
+    @property
+    def num_weight_sets(self) -> int:
+        return 1 if self.shared else self.num_agents
+
+    @property
+    def extra_width(self) -> int:
+        return sum(_EXTRA_WIDTH[f] for f in self.extra_features)
+
+
+def extra_features(
+    positions: torch.Tensor,
+    modality: torch.Tensor,
+    image_rc: torch.Tensor,
+    features: tuple[str, ...],
+    grid_side: int = 0,
+) -> torch.Tensor:
+    """Per-token features shared by all agents: (..., N) inputs -> (..., N, E) float32.
+
+    modality: one-hot text / image. grid: normalised (row, col) of image tokens and their Fourier
+    features (zeros for text). relpos: place in the prompt (position / last position, and log-distance
+    to the end) with Fourier features."""
+    out: list[torch.Tensor] = []
+    pos = positions.float()
+    valid = modality != PAD
+    if "modality" in features:
+        out.append(torch.stack([(modality == TEXT).float(), (modality == IMAGE).float()], dim=-1))
+    if "grid" in features:
+        is_img = (modality == IMAGE) & (image_rc[..., 1] >= 0)
+        rc = image_rc[..., 1:3].float().clamp(min=0)
+        if grid_side > 1:
+            side = torch.full_like(rc[..., :1], float(grid_side - 1))
+        else:  # infer the grid from the prompt itself
+            side = rc.masked_fill(~is_img[..., None], 0).amax(dim=-2, keepdim=True).amax(-1, keepdim=True)
+            side = side.clamp(min=1.0).expand_as(rc[..., :1])
+        rcn = (rc / side).clamp(0, 1)
+        feats = [rcn]
+        for f in _FOURIER:
+            feats += [torch.sin(math.pi * f * rcn), torch.cos(math.pi * f * rcn)]
+        g = torch.cat(feats, dim=-1) * is_img[..., None].float()
+        out.append(g)
+    if "relpos" in features:
+        last = pos.masked_fill(~valid, -1).amax(dim=-1, keepdim=True).clamp(min=1.0)
+        q = (pos / last).clamp(0, 1)
+        dist = torch.log1p((last - pos).clamp(min=0)) / math.log1p(4096.0)
+        feats = [q[..., None], dist[..., None]]
+        for f in _FOURIER:
+            feats += [torch.sin(math.pi * f * q)[..., None], torch.cos(math.pi * f * q)[..., None]]
+        out.append(torch.cat(feats, dim=-1))
+    if not out:
+        return positions.new_zeros((*positions.shape, 0), dtype=torch.float32)
+    return torch.cat(out, dim=-1) * valid[..., None].float()
+
+
+def _ln(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-agent LayerNorm: x (A, M, H), g/b (A, H)."""
+    return F.layer_norm(x, x.shape[-1:]) * g[:, None, :] + b[:, None, :]
+
+
+class KVPAgents(nn.Module):
+    """Every agent of a model, weights stacked on a leading axis of size `num_weight_sets`
+    (num_layers * num_kv_heads, or 1 when `shared`). Per agent:
+
+        hk = LN(k @ Wk + bk)        hv = LN(v @ Wv + bv)        hp = LN(pos_table[clamp(p)])
+        he = LN(extra @ We + be)    (only when extra features are on)
+        h1 = SiLU(LN([hk, hv, hp, he] @ W1 + b1));  h2 = SiLU(LN(h1 @ W2 + b2));  score = h2 @ w3 + b3
+    """
+
+    def __init__(self, config: KVPAgentConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        S, D, H = c.num_weight_sets, c.head_dim, c.hidden
+        E = c.extra_width
+        self.use_extra = E > 0
+
+        def lin(i: int, o: int) -> tuple[nn.Parameter, nn.Parameter]:
+            w = torch.empty(S, i, o)
+            for s in range(S):
+                nn.init.kaiming_uniform_(w[s].T, a=math.sqrt(5))  # as nn.Linear
+            return nn.Parameter(w), nn.Parameter(torch.zeros(S, o))
+
+        def norm(o: int) -> tuple[nn.Parameter, nn.Parameter]:
+            return nn.Parameter(torch.ones(S, o)), nn.Parameter(torch.zeros(S, o))
+
+        self.wk, self.bk = lin(D, H)
+        self.gk, self.nk = norm(H)
+        self.wv, self.bv = lin(D, H)
+        self.gv, self.nv = norm(H)
+        self.pos_table = nn.Parameter(torch.randn(S, c.pos_table, c.pos_dim) * 0.02)
+        self.gp, self.np_ = norm(c.pos_dim)
+        in1 = 2 * H + c.pos_dim
+        if self.use_extra:
+            self.we, self.be = lin(E, c.extra_dim)
+            self.ge, self.ne = norm(c.extra_dim)
+            in1 += c.extra_dim
+        self.w1, self.b1 = lin(in1, H)
+        self.g1, self.n1 = norm(H)
+        self.w2, self.b2 = lin(H, H)
+        self.g2, self.n2 = norm(H)
+        self.w3, self.b3 = lin(H, 1)
+
+    def weight_index(self, agents: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(agents) if self.config.shared else agents
+
+    def forward(
+        self,
+        agents: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        extra: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """agents (A,) long agent ids; keys/values (A, M, D); positions (A, M) or (M,) long; extra (M, E)
+        or (A, M, E) or None -> scores (A, M) float32."""
+        w = self.weight_index(agents)
+        A, M, _ = keys.shape
+        dt = self.wk.dtype
+        hk = _ln(torch.baddbmm(self.bk[w][:, None], keys.to(dt), self.wk[w]), self.gk[w], self.nk[w])
+        hv = _ln(torch.baddbmm(self.bv[w][:, None], values.to(dt), self.wv[w]), self.gv[w], self.nv[w])
+        p = positions.clamp(0, self.config.pos_table - 1)
+        if p.dim() == 1:
+            p = p[None].expand(A, M)
+        table = self.pos_table[w]  # (A, P, pd)
+        hp = torch.gather(table, 1, p[..., None].expand(A, M, table.shape[-1]))
+        hp = _ln(hp, self.gp[w], self.np_[w])
+        parts = [hk, hv, hp]
+        if self.use_extra:
+            assert extra is not None
+            if extra.dim() == 2:
+                extra = extra[None].expand(A, M, extra.shape[-1])
+            he = _ln(torch.baddbmm(self.be[w][:, None], extra.to(dt), self.we[w]), self.ge[w], self.ne[w])
+            parts.append(he)
+        x = torch.cat(parts, dim=-1)
+        x = F.silu(_ln(torch.baddbmm(self.b1[w][:, None], x, self.w1[w]), self.g1[w], self.n1[w]))
+        x = F.silu(_ln(torch.baddbmm(self.b2[w][:, None], x, self.w2[w]), self.g2[w], self.n2[w]))
+        return torch.baddbmm(self.b3[w][:, None], x, self.w3[w]).squeeze(-1).float()
+
+    def score_layer(
+        self,
+        layer_idx: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        modality: torch.Tensor,
+        image_rc: torch.Tensor,
+    ) -> torch.Tensor:
+        """Raw scores of one layer's tokens, every KV head in one pass: keys/values (B, Hkv, N, D),
+        positions/modality (B, N), image_rc (B, N, 3) -> (B, Hkv, N); padding gets -inf."""
+        B, Hkv, N, D = keys.shape
+        c = self.config
+        if Hkv != c.num_kv_heads or D != c.head_dim:
+            raise ModelError(
+                f"KVP agents expect {c.num_kv_heads} KV heads of dim {c.head_dim}, the layer has {Hkv} of dim {D}; "
+                "train agents for this model with `mm-oval train-kvp`"
+            )
+        if not 0 <= layer_idx < c.num_layers:
+            raise ModelError(f"KVP agents cover {c.num_layers} layers, asked for layer {layer_idx}")
+        agents = torch.arange(Hkv, device=keys.device) + layer_idx * Hkv
+        k = keys.transpose(0, 1).reshape(Hkv, B * N, D)
+        v = values.transpose(0, 1).reshape(Hkv, B * N, D)
+        ex = None
+        if self.use_extra:
+            ex = extra_features(positions, modality, image_rc, c.extra_features, c.grid_side).reshape(
+                B * N, -1
+            )
+        s = self.forward(agents, k, v, positions.reshape(B * N), ex).reshape(Hkv, B, N).transpose(0, 1)
+        return s.masked_fill(modality[:, None, :] == PAD, float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# saving / loading
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_agents(
+    agents: KVPAgents, directory: str | Path, model_sig: dict, training: dict | None = None
+) -> Path:
+    """Write kvp_agents.safetensors + kvp_config.json (model shape, fingerprint, agent shape, training)."""
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in agents.state_dict().items()}
+    _atomic_write_bytes(directory / WEIGHTS_NAME, save(tensors))
+    cfg = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "model": model_sig,
+        "agent": asdict(agents.config),
+        "training": training or {},
+    }
+    _atomic_write_bytes(directory / CONFIG_NAME, json.dumps(cfg, indent=1).encode())
+    return directory
+
+
+@dataclass
+class LoadedAgents:
+    agents: KVPAgents
+    model: dict
+    training: dict = field(default_factory=dict)
+    source: str = ""
+
+
+def load_agents(directory: str | Path, device: str | torch.device | None = None) -> LoadedAgents:
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    cfg_path = directory / CONFIG_NAME
+    if not cfg_path.is_file() or not (directory / WEIGHTS_NAME).is_file():
+        raise ModelError(
+            f"{directory} holds no KVP agents (expected {CONFIG_NAME} and {WEIGHTS_NAME}); "
+            "train them with `mm-oval train-kvp --model ... --data ... --out DIR`"
+        )
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{cfg_path} is not valid JSON ({e}); retrain or restore the agents") from e
+    if cfg.get("format") != FORMAT or int(cfg.get("version", -1)) > FORMAT_VERSION:
+        raise ModelError(
+            f"{cfg_path} is not a KVP agents config this mm-oval can read ({cfg.get('format')!r})"
+        )
+    acfg = KVPAgentConfig(**cfg["agent"])
+    agents = KVPAgents(acfg)
+    state = load_file(str(directory / WEIGHTS_NAME))
+    missing = set(agents.state_dict()) - set(state)
+    if missing:
+        raise ModelError(f"{directory / WEIGHTS_NAME} lacks {sorted(missing)}; the agents file is incomplete")
+    agents.load_state_dict(state)
+    agents.eval().requires_grad_(False)
+    if device is not None:
+        agents.to(device)
+    return LoadedAgents(agents, cfg["model"], cfg.get("training", {}), str(directory))
+
+
+def check_signature(trained_for: dict, actual: dict, source: str = "") -> None:
+    """Raise ModelError when agents trained for `trained_for` are used on a model with signature `actual`."""
+    keys = ("num_layers", "num_kv_heads", "head_dim", "num_heads")
+    shape_a = {k: trained_for.get(k) for k in keys}
+    shape_b = {k: actual.get(k) for k in keys}
+    hint = (
+        "these agents belong to another model; train agents for this one with "
+        "`mm-oval train-kvp --model <model> --data <data> --out <dir>` and pass agents=<dir>"
+    )
+    if shape_a != shape_b:
+        raise ModelError(
+            f"KVP agents {source} were trained for a model of shape {shape_a}, got {shape_b}: {hint}"
+        )
+    pa, pb = trained_for.get("probe") or [], actual.get("probe") or []
+    if pa and pb and not all(_probe_matches(a, b) for a, b in zip(pa, pb)):
+        raise ModelError(
+            f"KVP agents {source} were trained for model {trained_for.get('name_or_path') or '?'} "
+            f"(fingerprint {trained_for.get('fingerprint')}), this model's weights differ "
+            f"(fingerprint {actual.get('fingerprint')}): {hint}"
+        )
+
+
+def bundled_agents_path() -> Path:
+    """The agents trained for the bundled tiny LLaVA (package data)."""
+    return Path(str(resources.files("mm_oval.zoo").joinpath("tiny_llava_kvp")))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the eviction policy
+# ----------------------------------------------------------------------------------------------------------
+
+
+@register_eviction
+class KVPPolicy(EvictionPolicy):
+    """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`);
+    default: the agents trained for the bundled tiny LLaVA. `model`, when given, is checked against
+    the agents' recorded shape and fingerprint at once; otherwise each layer is checked on first use
+    (shape from the keys, fingerprint from the layer's k_proj / v_proj).
+
+    `score` returns per-head log-softmax normalised scores (B, Hkv, N): the per-head order is the agents'
+    ranking, and the values are comparable across the heads of a layer (the cache may rank them jointly
+    for a budget shared across heads). `score_tokens` scores tokens arriving during decode on the same
+    scale (normalised by the prefill's per-head log-partition, kept in ctx.extra)."""
+
+    name = "kvp"
+    needs_queries = False
+
+    def __init__(
+        self,
+        agents: str | Path | KVPAgents | LoadedAgents | None = None,
+        model: Any = None,
+        check_weights: bool = True,
+        **_: Any,
+    ):
+        if isinstance(agents, KVPAgents):
+            loaded = LoadedAgents(agents, {}, {}, "<in-memory>")
+        elif isinstance(agents, LoadedAgents):
+            loaded = agents
+        else:
+            path = Path(agents) if agents is not None else bundled_agents_path()
+            loaded = load_agents(path)
+        self.loaded = loaded
+        self.agents = loaded.agents.eval()
+        self.check_weights = check_weights
+        self._checked_layers: set[int] = set()
+        if model is not None:
+            self.bind(model)
+
+    def bind(self, model: Any) -> None:
+        if self.loaded.model:
+            check_signature(self.loaded.model, model_signature(model), self.loaded.source)
+        self._checked_layers = set(range(self.agents.config.num_layers))
+
+    def _check_layer(self, ctx: PrefillContext) -> None:
+        if ctx.layer_idx in self._checked_layers:
+            return
+        m = self.loaded.model
+        if m:
+            B, Hkv, N, D = ctx.keys.shape
+            if (Hkv, D) != (m.get("num_kv_heads"), m.get("head_dim")) or ctx.layer_idx >= m.get(
+                "num_layers", 0
+            ):
+                raise ModelError(
+                    f"KVP agents {self.loaded.source} were trained for a model with {m.get('num_layers')} layers "
+                    f"x {m.get('num_kv_heads')} KV heads of dim {m.get('head_dim')}; this model's layer "
+                    f"{ctx.layer_idx} has {Hkv} KV heads of dim {D}. Train agents for it with `mm-oval train-kvp`"
+                )
+            probe = m.get("probe") or []
+            if self.check_weights and ctx.module is not None and ctx.layer_idx < len(probe):
+                got = _probe_from_attention(ctx.module)
+                if got and not _probe_matches(probe[ctx.layer_idx], got):
+                    raise ModelError(
+                        f"KVP agents {self.loaded.source} were trained for model "
+                        f"{m.get('name_or_path') or '?'} (fingerprint {m.get('fingerprint')}); layer "
+                        f"{ctx.layer_idx} of this model has other weights. Train agents for this model with "
+                        "`mm-oval train-kvp --model <model> --data <data> --out <dir>`"
+                    )
+        self._checked_layers.add(ctx.layer_idx)
+
+    @torch.no_grad()
+    def raw_scores(self, ctx: PrefillContext) -> torch.Tensor:
+        self._check_layer(ctx)
+        agents = self.agents
+        if agents.wk.device != ctx.keys.device:
+            agents.to(ctx.keys.device)
+        return agents.score_layer(
+            ctx.layer_idx, ctx.keys, ctx.values, ctx.positions, ctx.modality, ctx.image_rc
+        )
+
+    @torch.no_grad()
+    def score(self, ctx: PrefillContext) -> torch.Tensor:
+        raw = self.raw_scores(ctx)
+        lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # padding is -inf and drops out
+        ctx.extra.setdefault("kvp_log_partition", {})[ctx.layer_idx] = lse
+        return raw - lse
+
+    @torch.no_grad()
+    def score_tokens(
+        self,
+        layer_idx: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        modality: torch.Tensor,
+        image_rc: torch.Tensor | None = None,
+        extra: dict | None = None,
+    ) -> torch.Tensor:
+        """Scores of tokens arriving after prefill (decode): keys/values (B, Hkv, T, D), positions and
+        modality (B, T) -> (B, Hkv, T), on the scale of that layer's prefill scores when `extra` is the
+        request's ctx.extra. Relative-position features see the new tokens as the prompt's most recent."""
+        if image_rc is None:
+            image_rc = torch.full((*positions.shape, 3), -1, dtype=torch.long, device=positions.device)
+        raw = self.agents.score_layer(layer_idx, keys, values, positions, modality, image_rc)
+        lse = (extra or {}).get("kvp_log_partition", {}).get(layer_idx)
+        return raw - lse if lse is not None else raw

@@ -1,0 +1,475 @@
+"""Offline RL training of the KVP agents (REINFORCE with a leave-one-out baseline).
+
+A context is one (sample, layer, KV head): the prompt's eligible tokens (all but the always-kept sinks
+and recent window) with their future utility u. The agent's scores define a Plackett-Luce distribution
+over rankings; K rankings per context are sampled at once by Gumbel-sort. A ranking's reward is budget
+free: -(sum_j j * u_sigma(j)) / (same for the optimal ranking), i.e. the area under the evicted-utility
+curve over every budget, normalised so the optimal ranking scores exactly -1. The gradient is REINFORCE
+with the RLOO baseline (each sample's reward minus the mean of the other K-1), advantages normalised,
+no entropy bonus. AdamW with warmup + cosine decay, gradient clipping, EMA weights for inference.
+No model runs during training: everything comes from captured traces (mm_oval.training.traces).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, DataError, ResultsError
+from ..policies.base import PAD, PrefillContext
+from ..policies.kvp import (
+    KVPAgentConfig,
+    KVPAgents,
+    _atomic_write_bytes,
+    extra_features,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+NEG = -1.0e4  # score given to tokens outside the ranking (finite, so Plackett-Luce terms stay finite)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reward, rankings, RLOO
+# ----------------------------------------------------------------------------------------------------------
+
+
+def ranking_auc(u_ranked: torch.Tensor) -> torch.Tensor:
+    """Sum over rank j (1-based) of j * u at that rank: (..., N) -> (...). Lower is better."""
+    j = torch.arange(1, u_ranked.shape[-1] + 1, device=u_ranked.device, dtype=u_ranked.dtype)
+    return (u_ranked * j).sum(-1)
+
+
+def ranking_reward(order: torch.Tensor, utility: torch.Tensor) -> torch.Tensor:
+    """Budget-free reward of rankings. order (..., N) token indices, best first; utility (..., N) aligned
+    with the tokens (0 for tokens outside the ranking). Returns -AUC(order) / AUC(optimal): exactly -1 for
+    an optimal ranking, below -1 for worse ones."""
+    u_ranked = torch.gather(utility.expand_as(order), -1, order)
+    opt = ranking_auc(utility.sort(dim=-1, descending=True).values)
+    return -ranking_auc(u_ranked) / opt.clamp(min=1e-12)
+
+
+def gumbel_rankings(scores: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """K Plackett-Luce samples per row in one shot: argsort(scores + Gumbel) descending. (C, N) -> (C, K, N)."""
+    u = torch.rand((scores.shape[0], k, scores.shape[1]), generator=generator, device=scores.device)
+    g = -torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-10)))
+    return torch.argsort(scores[:, None, :].detach() + g, dim=-1, descending=True)
+
+
+def plackett_luce_logprob(scores: torch.Tensor, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log P(order) under Plackett-Luce with logits `scores`. scores (C, N); order (C, K, N) with the
+    `valid` tokens (C, N) ranked before the others (their scores must be NEG); only valid ranks count."""
+    s = torch.gather(scores[:, None, :].expand_as(order), -1, order)  # (C, K, N) scores in rank order
+    tail = torch.logcumsumexp(s.flip(-1), dim=-1).flip(-1)  # log sum_{r >= j} exp(s_r)
+    m = valid.sum(-1)  # (C,)
+    ranks = torch.arange(order.shape[-1], device=order.device)
+    counted = ranks[None, None, :] < m[:, None, None]
+    return ((s - tail) * counted).sum(-1)
+
+
+def rloo_loss(
+    scores: torch.Tensor,
+    utility: torch.Tensor,
+    valid: torch.Tensor,
+    k: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE with the leave-one-out baseline. scores/utility/valid (C, N). Returns (loss, mean reward of
+    the sampled rankings). Contexts with no utility or fewer than 2 valid tokens are skipped."""
+    if k < 2:
+        raise ConfigError(f"RLOO needs at least 2 sampled rankings per context, got {k}")
+    scores = scores.masked_fill(~valid, NEG)
+    utility = utility * valid
+    keep = (valid.sum(-1) >= 2) & (utility.sum(-1) > 0)
+    if not bool(keep.any()):
+        return scores.sum() * 0.0, torch.tensor(float("nan"))
+    scores, utility, valid = scores[keep], utility[keep], valid[keep]
+    order = gumbel_rankings(scores, k, generator)  # (C, K, N)
+    with torch.no_grad():
+        reward = ranking_reward(order, utility[:, None, :])  # (C, K)
+        baseline = (reward.sum(-1, keepdim=True) - reward) / (k - 1)
+        adv = reward - baseline
+        adv = adv / (adv.std() + 1e-6)
+    logp = plackett_luce_logprob(scores, order, valid)
+    return -(adv * logp).mean(), reward.mean()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# batches from traces
+# ----------------------------------------------------------------------------------------------------------
+
+
+def eligible_mask(n_valid: torch.Tensor, n_max: int, sinks: int, recent: int) -> torch.Tensor:
+    """(B,) prompt lengths -> (B, n_max) bool: tokens the policy decides about (not sinks, not recent)."""
+    i = torch.arange(n_max)[None, :]
+    n = n_valid[:, None]
+    return (i >= sinks) & (i < n - recent) & (i < n)
+
+
+@dataclass
+class Batch:
+    keys: torch.Tensor  # (A, B*N, D) A = L * Hkv agents
+    values: torch.Tensor
+    positions: torch.Tensor  # (B*N,)
+    extra: torch.Tensor | None  # (B*N, E)
+    utility: torch.Tensor  # (A, B, N)
+    eligible: torch.Tensor  # (B, N)
+    modality: torch.Tensor  # (B, N)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.utility.shape  # type: ignore[return-value]
+
+
+def collate(traces: list[dict], cfg: KVPAgentConfig) -> Batch:
+    B = len(traces)
+    L, Hkv, _, D = traces[0]["keys"].shape
+    if (L, Hkv, D) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+        raise DataError(
+            f"traces have {L} layers x {Hkv} KV heads of dim {D}, the agents {cfg.num_layers} x "
+            f"{cfg.num_kv_heads} of dim {cfg.head_dim}: traces and agents belong to different models"
+        )
+    lens = torch.tensor([t["keys"].shape[2] for t in traces])
+    N = int(lens.max())
+    keys = torch.zeros(B, L * Hkv, N, D)
+    values = torch.zeros(B, L * Hkv, N, D)
+    util = torch.zeros(B, L * Hkv, N)
+    pos = torch.zeros(B, N, dtype=torch.long)
+    mod = torch.full((B, N), PAD, dtype=torch.long)
+    rc = torch.full((B, N, 3), -1, dtype=torch.long)
+    for b, t in enumerate(traces):
+        n = t["keys"].shape[2]
+        keys[b, :, :n] = t["keys"].reshape(L * Hkv, n, D).float()
+        values[b, :, :n] = t["values"].reshape(L * Hkv, n, D).float()
+        util[b, :, :n] = t["utility"].reshape(L * Hkv, n).float()
+        pos[b, :n] = t["positions"].long()
+        mod[b, :n] = t["modality"].long()
+        rc[b, :n] = t["image_rc"].long()
+    extra = None
+    if cfg.extra_width:
+        extra = extra_features(pos, mod, rc, cfg.extra_features, cfg.grid_side).reshape(B * N, -1)
+    elig = eligible_mask(lens, N, cfg.sinks, cfg.recent)
+    return Batch(
+        keys=keys.transpose(0, 1).reshape(L * Hkv, B * N, D),
+        values=values.transpose(0, 1).reshape(L * Hkv, B * N, D),
+        positions=pos.reshape(B * N),
+        extra=extra,
+        utility=util.transpose(0, 1).contiguous(),
+        eligible=elig,
+        modality=mod,
+    )
+
+
+def batch_scores(agents: KVPAgents, batch: Batch) -> torch.Tensor:
+    """Scores of every agent on its own tokens: (A, B, N)."""
+    A, B, N = batch.shape
+    ids = torch.arange(A)
+    return agents(ids, batch.keys, batch.values, batch.positions, batch.extra).reshape(A, B, N)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the trainer
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """The paper's settings (AdamW 5e-5 -> 1e-6 cosine, 100 warmup, clip 5, wd 1e-3, 4000 steps, batch
+    128 contexts, EMA 0.99) scaled to small agents and CPU budgets: fewer steps, a larger learning rate."""
+
+    steps: int = 600
+    batch_samples: int = 16  # samples per step; contexts per step = batch_samples * layers * kv_heads
+    rankings: int = 8  # K Plackett-Luce samples per context
+    lr: float = 1e-3
+    lr_min: float = 1e-5
+    warmup: int = 50
+    clip: float = 5.0
+    weight_decay: float = 1e-3
+    ema: float = 0.99
+    seed: int = 0
+    checkpoint_every: int = 100
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_samples < 1:
+            raise ConfigError("train-kvp: --steps and --batch must be at least 1")
+        if not 0.0 <= self.ema < 1.0:
+            raise ConfigError(f"train-kvp: EMA decay must be in [0, 1), got {self.ema}")
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+@dataclass
+class TrainResult:
+    agents: KVPAgents  # the EMA weights
+    steps_done: int
+    history: list[dict] = field(default_factory=list)
+
+
+def _ema_update(ema: KVPAgents, model: KVPAgents, decay: float) -> None:
+    with torch.no_grad():
+        for pe, pm in zip(ema.parameters(), model.parameters()):
+            pe.lerp_(pm, 1.0 - decay)
+
+
+def _save_checkpoint(path: Path, payload: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    _atomic_write_bytes(path, buf.getvalue())
+
+
+def train_agents(
+    traces: list[dict],
+    agent_cfg: KVPAgentConfig,
+    cfg: TrainConfig,
+    out_dir: str | Path | None = None,
+    progress: Callable[[int, dict], None] | None = None,
+) -> TrainResult:
+    """Train agents on captured traces. With `out_dir`, a checkpoint is written every
+    `checkpoint_every` steps and at the end; calling again with the same settings resumes from it."""
+    if not traces:
+        raise DataError("train-kvp: no training traces")
+    torch.manual_seed(cfg.seed)
+    agents = KVPAgents(agent_cfg)
+    ema = KVPAgents(agent_cfg)
+    ema.load_state_dict(agents.state_dict())
+    ema.requires_grad_(False)
+    opt = torch.optim.AdamW(agents.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start, history = 0, []
+    ckpt_path = Path(out_dir) / CHECKPOINT if out_dir is not None else None
+    settings = {"agent": asdict(agent_cfg), "train": asdict(cfg), "num_traces": len(traces)}
+    settings = json.loads(json.dumps(settings))  # tuples -> lists, as stored
+    if ckpt_path is not None and ckpt_path.is_file():
+        ck = torch.load(ckpt_path, weights_only=False)
+        if ck["settings"] != settings:
+            raise ResultsError(
+                f"{ckpt_path} belongs to a run with other settings ({ck['settings']}); "
+                "use another --out directory or delete the checkpoint to start over"
+            )
+        agents.load_state_dict(ck["agents"])
+        ema.load_state_dict(ck["ema"])
+        opt.load_state_dict(ck["optimizer"])
+        start, history = int(ck["step"]), list(ck["history"])
+        logger.info("resuming KVP training from %s at step %d", ckpt_path, start)
+
+    def checkpoint(step: int) -> None:
+        if ckpt_path is None:
+            return
+        _save_checkpoint(
+            ckpt_path,
+            {
+                "settings": settings,
+                "agents": agents.state_dict(),
+                "ema": ema.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": step,
+                "history": history,
+            },
+        )
+
+    agents.train()
+    t0 = time.time()
+    for step in range(start, cfg.steps):
+        # everything random in a step derives from (seed, step): a resumed run repeats the same batches
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        rng = random.Random(cfg.seed * 1_000_003 + step)
+        idx = rng.sample(range(len(traces)), min(cfg.batch_samples, len(traces)))
+        batch = collate([traces[i] for i in idx], agent_cfg)
+        A, B, N = batch.shape
+        scores = batch_scores(agents, batch).reshape(A * B, N)
+        util = batch.utility.reshape(A * B, N)
+        valid = batch.eligible[None].expand(A, B, N).reshape(A * B, N)
+        loss, reward = rloo_loss(scores, util, valid, cfg.rankings, g)
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(agents.parameters(), cfg.clip)
+        opt.step()
+        _ema_update(ema, agents, min(cfg.ema, (1 + step) / (10 + step)))
+        rec = {"step": step + 1, "reward": float(reward), "grad_norm": float(gnorm), "lr": cfg.lr_at(step)}
+        history.append(rec)
+        if progress:
+            progress(step + 1, rec)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            checkpoint(step + 1)
+    logger.info("KVP training: %d steps in %.1f s", cfg.steps - start, time.time() - t0)
+    ema.eval()
+    return TrainResult(ema, cfg.steps, history)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# held-out evaluation
+# ----------------------------------------------------------------------------------------------------------
+
+Scorer = Callable[[dict, int], torch.Tensor]  # (trace, layer) -> (Hkv, n) scores, higher = keep
+
+
+def trace_context(trace: dict, layer: int) -> PrefillContext:
+    """A B=1 PrefillContext of one captured layer, as the cache would hand it to a policy."""
+    keys = trace["keys"][layer][None].float()
+    q = trace.get("queries")
+    return PrefillContext(
+        layer_idx=layer,
+        keys=keys,
+        values=trace["values"][layer][None].float(),
+        queries=q[layer][None].float() if q is not None else None,
+        positions=trace["positions"][None].long(),
+        modality=trace["modality"][None].long(),
+        image_rc=trace["image_rc"][None].long(),
+        scaling=keys.shape[-1] ** -0.5,
+    )
+
+
+def agent_scorer(agents: KVPAgents) -> Scorer:
+    def score(trace: dict, layer: int) -> torch.Tensor:
+        ctx = trace_context(trace, layer)
+        with torch.no_grad():
+            return agents.score_layer(layer, ctx.keys, ctx.values, ctx.positions, ctx.modality, ctx.image_rc)[
+                0
+            ]
+
+    return score
+
+
+def policy_scorer(policy: Any) -> Scorer:
+    """Any EvictionPolicy (e.g. from EVICTION_REGISTRY) as a scorer on traces."""
+
+    def score(trace: dict, layer: int) -> torch.Tensor:
+        ctx = trace_context(trace, layer)
+        if getattr(policy, "needs_queries", False) and ctx.queries is None:
+            raise DataError(
+                f"{getattr(policy, 'name', policy)} needs queries; capture traces with queries stored"
+            )
+        with torch.no_grad():
+            return policy.score(ctx)[0].float()
+
+    return score
+
+
+def random_scorer(seed: int = 0) -> Scorer:
+    g = torch.Generator().manual_seed(seed)
+
+    def score(trace: dict, layer: int) -> torch.Tensor:
+        Hkv, n = trace["utility"].shape[1:]
+        return torch.rand((Hkv, n), generator=g)
+
+    return score
+
+
+def oracle_scorer(trace: dict, layer: int) -> torch.Tensor:
+    return trace["utility"][layer].float()
+
+
+def knorm_scorer(trace: dict, layer: int) -> torch.Tensor:
+    """K-norm: keep low-norm keys (they draw attention)."""
+    return -trace["keys"][layer].float().norm(dim=-1)
+
+
+def keydiff_scorer(trace: dict, layer: int) -> torch.Tensor:
+    """KeyDiff: keep keys least similar to the mean key direction."""
+    k = trace["keys"][layer].float()
+    kn = torch.nn.functional.normalize(k, dim=-1)
+    anchor = torch.nn.functional.normalize(kn.mean(dim=1, keepdim=True), dim=-1)
+    return -(kn * anchor).sum(-1)
+
+
+def recency_scorer(trace: dict, layer: int) -> torch.Tensor:
+    """StreamingLLM on the eligible tokens: the most recent first (sinks and window are kept anyway)."""
+    Hkv, n = trace["utility"].shape[1:]
+    return trace["positions"].float()[None].expand(Hkv, n).clone()
+
+
+@dataclass
+class HeldoutCost:
+    """Mean normalised cost (AUC / optimal AUC, 1 = optimal) and, per budget fraction of the eligible
+    tokens, the share of utility evicted (%), for all eligible tokens and for image tokens only."""
+
+    cost: float
+    cost_image: float
+    evicted: dict[float, float]
+    evicted_image: dict[float, float]
+    evicted_shared_heads: dict[float, float]
+
+
+def _evicted_share(
+    scores: torch.Tensor, u: torch.Tensor, valid: torch.Tensor, frac: float
+) -> tuple[float, float]:
+    """scores/u/valid (H, n) -> (evicted utility, total utility) keeping top ceil(frac * m) per row."""
+    ev, tot = 0.0, 0.0
+    for h in range(scores.shape[0]):
+        m = int(valid[h].sum())
+        if m == 0:
+            continue
+        s = scores[h][valid[h]]
+        uu = u[h][valid[h]]
+        keep = math.ceil(frac * m)
+        order = torch.argsort(s, descending=True)
+        ev += float(uu[order[keep:]].sum())
+        tot += float(uu.sum())
+    return ev, tot
+
+
+def _evicted_shared(
+    scores: torch.Tensor, u: torch.Tensor, valid: torch.Tensor, frac: float
+) -> tuple[float, float]:
+    """One ranking over all heads of the layer (per-head log-softmax normalised), same total budget."""
+    s = scores.masked_fill(~valid, float("-inf"))
+    s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+    s, uu = s[valid], u[valid]
+    keep = math.ceil(frac * int(valid.sum()))
+    order = torch.argsort(s, descending=True)
+    return float(uu[order[keep:]].sum()), float(uu.sum())
+
+
+def heldout_cost(
+    scorer: Scorer, traces: list[dict], sinks: int, recent: int, budgets: tuple[float, ...] = (0.1, 0.25, 0.5)
+) -> HeldoutCost:
+    costs, costs_img = [], []
+    ev = {b: [0.0, 0.0] for b in budgets}
+    ev_img = {b: [0.0, 0.0] for b in budgets}
+    ev_sh = {b: [0.0, 0.0] for b in budgets}
+    for t in traces:
+        L, Hkv, n = t["utility"].shape
+        elig = eligible_mask(torch.tensor([n]), n, sinks, recent)[0]
+        img = elig & (t["modality"].long() == 1)
+        for layer in range(L):
+            s = scorer(t, layer).float()
+            u = t["utility"][layer].float()
+            for mask, out in ((elig, costs), (img, costs_img)):
+                if int(mask.sum()) < 2:
+                    continue
+                sm = s[:, mask]
+                um = u[:, mask]
+                order = torch.argsort(sm, dim=-1, descending=True)
+                r = ranking_reward(order, um)
+                ok = um.sum(-1) > 0
+                out.extend((-r[ok]).tolist())
+            for b in budgets:
+                for mask, acc in ((elig, ev), (img, ev_img)):
+                    e, tot = _evicted_share(s, u, mask[None].expand(Hkv, n), b)
+                    acc[b][0] += e
+                    acc[b][1] += tot
+                e, tot = _evicted_shared(s, u, elig[None].expand(Hkv, n), b)
+                ev_sh[b][0] += e
+                ev_sh[b][1] += tot
+
+    def pct(d: dict) -> dict[float, float]:
+        return {b: 100.0 * e / max(tot, 1e-12) for b, (e, tot) in d.items()}
+
+    mean = lambda xs: float(sum(xs) / max(1, len(xs)))  # noqa: E731
+    return HeldoutCost(mean(costs), mean(costs_img), pct(ev), pct(ev_img), pct(ev_sh))

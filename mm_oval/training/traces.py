@@ -1,0 +1,476 @@
+"""Capture KVP training traces from a LLaVA-style model.
+
+For each sample (image + question, with its answer) the model runs once over prompt + answer. An
+attention function registered with transformers (SDPA underneath, so outputs are unchanged) sees every
+layer's queries, keys and values after RoPE and records, for the prompt's n tokens:
+
+- keys and values as they would be cached (L, Hkv, n, D), the prompt's queries (L, Hq, n, D) for the
+  attention-based baselines (optional), positions, modality (text / image) and (image, row, col);
+- the future utility u_i of each prompt token: the attention it receives from the answer tokens (the
+  queries that read the cache during decode), summed over those queries, max over the query heads of its
+  KV group (L, Hkv, n).
+
+The answer is the reference answer teacher-forced (`answer="reference"`) or the model's own greedy answer
+(`answer="greedy"`). Traces are stored as safetensors shards listed in manifest.json; a capture that is
+interrupted resumes after the last complete shard.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+import logging
+import math
+import random
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DataError, ModelError, ResultsError
+from ..policies.base import IMAGE, TEXT
+from ..policies.kvp import _atomic_write_bytes, model_signature
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+CAPTURE_ATTN = "mm_oval_kvp_capture"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# samples
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TraceSample:
+    """One prompt: `images` (PIL) and the user `question` (text after the image), with its `answer`."""
+
+    sample_id: str
+    images: list[Any]
+    question: str
+    answer: str
+
+
+def toy_samples(n: int, seed: int = 0, image_size: int = 128) -> list[TraceSample]:
+    """Tiny built-in scenes (coloured shapes on a grid, one question each), words from the bundled vocabulary.
+    For tests and smoke runs; real training uses the zoo's generator or an MMBench / VQA-format file."""
+    from PIL import Image, ImageDraw
+
+    from ..zoo.vocab import COLORS, SHAPES
+
+    rng = random.Random(seed)
+    out = []
+    cell = image_size // 4
+    for i in range(n):
+        img = Image.new("RGB", (image_size, image_size), "black")
+        d = ImageDraw.Draw(img)
+        objs = []
+        for _ in range(rng.randint(1, 4)):
+            r, c = rng.randrange(4), rng.randrange(4)
+            color, shape = rng.choice(COLORS), rng.choice(SHAPES)
+            box = (c * cell + 3, r * cell + 3, (c + 1) * cell - 3, (r + 1) * cell - 3)
+            if shape == "circle":
+                d.ellipse(box, fill=color)
+            elif shape == "triangle":
+                d.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) // 2, box[1])], fill=color)
+            else:
+                d.rectangle(box, fill=color)
+            objs.append((color, shape))
+        color, shape = rng.choice(objs)
+        if rng.random() < 0.5:
+            q, a = f"what color is the {shape} ?", color
+        else:
+            q, a = "how many objects are there ?", str(len(objs))
+        out.append(TraceSample(f"toy-{seed}-{i}", [img], q, a))
+    return out
+
+
+def _decode_image(b64: str, where: str) -> Any:
+    from PIL import Image
+
+    try:
+        return Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
+    except Exception as e:  # noqa: BLE001 - any decoding failure is a data error for the user
+        raise DataError(f"{where}: image is not a valid base64-encoded picture ({e})") from e
+
+
+def mmbench_samples(path: Path) -> list[TraceSample]:
+    """An MMBench-format TSV (index, question, hint, A..D, answer, image base64); the prompt is LLaVA-1.5's."""
+    csv.field_size_limit(sys.maxsize)
+    out = []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter="\t")
+        for row_no, row in enumerate(reader, start=2):
+            where = f"{path} row {row_no}"
+            for col in ("index", "question", "image"):
+                if not row.get(col):
+                    raise DataError(f"{where}: column {col!r} is missing or empty (an MMBench TSV needs it)")
+            hint = (row.get("hint") or "").strip()
+            hint = "" if hint.lower() == "nan" else hint
+            text = (hint + "\n" if hint else "") + row["question"]
+            for letter in "ABCD":
+                opt = (row.get(letter) or "").strip()
+                if opt and opt.lower() != "nan":
+                    text += f"\n{letter}. {opt}"
+            text += "\nAnswer with the option's letter from the given choices directly."
+            out.append(
+                TraceSample(
+                    f"mmb-{row['index']}", [_decode_image(row["image"], where)], text, row.get("answer", "")
+                )
+            )
+    return out
+
+
+def jsonl_samples(path: Path) -> list[TraceSample]:
+    """JSON lines with `question`, `answer` and `image` (a file path relative to the JSONL, or base64)."""
+    from PIL import Image
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {line_no}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e})") from e
+            for col in ("question", "answer", "image"):
+                if col not in rec:
+                    raise DataError(f"{where}: field {col!r} is missing (need question, answer, image)")
+            img_ref = rec["image"]
+            img_path = (path.parent / img_ref) if isinstance(img_ref, str) else None
+            if img_path is not None and img_path.is_file():
+                image = Image.open(img_path).convert("RGB")
+            else:
+                image = _decode_image(str(img_ref), where)
+            answer = rec["answer"]
+            if isinstance(answer, list):  # VQA-style list of human answers: take the most common
+                answer = max(set(answer), key=answer.count) if answer else ""
+            out.append(
+                TraceSample(
+                    str(rec.get("id", f"{path.stem}-{line_no}")), [image], rec["question"], str(answer)
+                )
+            )
+    return out
+
+
+def zoo_samples(split: str, n: int, seed: int) -> list[TraceSample]:
+    """Samples from the bundled tiny LLaVA's scene generator (mm_oval.zoo.generate)."""
+    try:
+        from ..zoo import generate
+    except ImportError as e:
+        raise DataError(
+            "the bundled data generator (mm_oval.zoo.generate) is not available in this install"
+        ) from e
+    make = getattr(generate, "kvp_samples", None) or getattr(generate, "training_samples", None)
+    if make is None:
+        raise DataError("mm_oval.zoo.generate offers no sample iterator usable for KVP traces")
+    out = []
+    for i, item in enumerate(make(split=split, n=n, seed=seed)):
+        if isinstance(item, TraceSample):
+            out.append(item)
+            continue
+        get = item.get if isinstance(item, dict) else (lambda k, _i=item: getattr(_i, k, None))
+        images = get("images") or [get("image")]
+        out.append(
+            TraceSample(
+                str(get("id") or f"zoo-{split}-{i}"), list(images), get("question"), str(get("answer"))
+            )
+        )
+    return out
+
+
+def load_samples(spec: str, limit: int | None = None, seed: int = 0) -> list[TraceSample]:
+    """`toy[:N]`, `zoo:SPLIT[:N]`, an MMBench TSV, or a JSONL of {image, question, answer}."""
+    if spec.startswith("toy"):
+        n = int(spec.split(":", 1)[1]) if ":" in spec else (limit or 64)
+        return toy_samples(min(n, limit or n), seed=seed)
+    if spec.startswith("zoo"):
+        parts = spec.split(":")
+        split = parts[1] if len(parts) > 1 and parts[1] else "train"
+        n = int(parts[2]) if len(parts) > 2 else (limit or 512)
+        return zoo_samples(split, min(n, limit or n), seed)
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(
+            f"KVP data {spec!r}: no such file; give an MMBench .tsv, a .jsonl, 'zoo:train[:N]' or 'toy:N'"
+        )
+    if path.suffix == ".tsv":
+        samples = mmbench_samples(path)
+    elif path.suffix in (".jsonl", ".json"):
+        samples = jsonl_samples(path)
+    else:
+        raise DataError(f"KVP data {path}: unknown format {path.suffix!r}; use an MMBench .tsv or a .jsonl")
+    if not samples:
+        raise DataError(f"KVP data {path} holds no samples")
+    return samples[:limit] if limit else samples
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the capture attention function
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Recorder:
+    prompt_len: int
+    store_queries: bool
+    layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def record(
+        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> None:
+        n = self.prompt_len
+        B, Hq, T, D = query.shape
+        Hkv = key.shape[1]
+        G = Hq // Hkv
+        rec = {
+            "keys": key[:, :, :n].detach().to(torch.float16).cpu(),
+            "values": value[:, :, :n].detach().to(torch.float16).cpu(),
+        }
+        if self.store_queries:
+            rec["queries"] = query[:, :, :n].detach().to(torch.float16).cpu()
+        if T > n:  # answer queries j >= n read keys 0..j (causal); utility = their attention to the prompt
+            qa = query[:, :, n:].float()
+            kk = key.float().repeat_interleave(G, dim=1)
+            logits = torch.matmul(qa, kk.transpose(-1, -2)) * scaling  # (B, Hq, T-n, T)
+            j = torch.arange(n, T, device=query.device)[:, None]
+            i = torch.arange(T, device=query.device)[None, :]
+            logits = logits.masked_fill(i > j, float("-inf"))
+            att = logits.softmax(dim=-1)[..., :n].sum(dim=2)  # (B, Hq, n)
+            util = att.view(B, Hkv, G, n).amax(dim=2)
+        else:
+            util = torch.zeros(B, Hkv, n)
+        rec["utility"] = util.float().cpu()
+        self.layers[int(module.layer_idx)] = rec
+
+
+_ACTIVE: _Recorder | None = None
+_REGISTERED = False
+
+
+def _register_capture_attention() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if _ACTIVE is not None and getattr(module, "layer_idx", None) is not None:
+            _ACTIVE.record(
+                module, query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5
+            )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(CAPTURE_ATTN, capture_attention)
+    AttentionMaskInterface.register(CAPTURE_ATTN, sdpa_mask)
+    _REGISTERED = True
+
+
+def image_grid_coords(input_ids: torch.Tensor, image_token_id: int, tokens_per_image: int) -> torch.Tensor:
+    """(N,) ids -> (N, 3) long: (image index, row, col) for image tokens, -1 elsewhere. Image tokens come in
+    contiguous runs of `tokens_per_image`, laid out row-major on a square grid."""
+    n = input_ids.shape[-1]
+    rc = torch.full((n, 3), -1, dtype=torch.long)
+    idx = (input_ids == image_token_id).nonzero().flatten().tolist()
+    side = max(1, math.isqrt(tokens_per_image))
+    for k, pos in enumerate(idx):
+        img, off = divmod(k, tokens_per_image)
+        rc[pos] = torch.tensor([img, off // side, off % side])
+    return rc
+
+
+def _build_inputs(processor: Any, sample: TraceSample) -> tuple[dict, str]:
+    content = [{"type": "image"} for _ in sample.images] + [{"type": "text", "text": sample.question}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    inputs = processor(images=sample.images or None, text=[prompt], return_tensors="pt")
+    return dict(inputs), prompt
+
+
+@torch.no_grad()
+def capture_sample(
+    model: Any,
+    processor: Any,
+    sample: TraceSample,
+    answer: str = "reference",
+    max_new_tokens: int = 32,
+    store_queries: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Run one sample and return its trace tensors (see the module docstring)."""
+    global _ACTIVE
+    _register_capture_attention()
+    device = next(model.parameters()).device
+    inputs, _ = _build_inputs(processor, sample)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    ids = inputs["input_ids"]
+    n = ids.shape[1]
+    if answer == "greedy":
+        gen = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        ans = gen[:, n:]
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos])
+        keep = []
+        for t in ans[0].tolist():
+            if t in eos_ids:
+                break
+            keep.append(t)
+        ans_ids = torch.tensor([keep], dtype=torch.long, device=device)
+    elif answer == "reference":
+        tok = processor.tokenizer
+        ans_ids = torch.tensor(
+            [tok(" " + sample.answer, add_special_tokens=False)["input_ids"]], dtype=torch.long, device=device
+        )
+    else:
+        raise DataError(f"answer mode {answer!r}: use 'reference' or 'greedy'")
+    full = dict(inputs)
+    full["input_ids"] = torch.cat([ids, ans_ids], dim=1)
+    if "attention_mask" in full:
+        full["attention_mask"] = torch.ones_like(full["input_ids"])
+    tc = model.config.text_config if hasattr(model.config, "text_config") else model.config
+    old = tc._attn_implementation
+    rec = _Recorder(prompt_len=n, store_queries=store_queries)
+    _ACTIVE = rec
+    tc._attn_implementation = CAPTURE_ATTN
+    try:
+        model(**full, use_cache=False)
+    finally:
+        tc._attn_implementation = old
+        _ACTIVE = None
+    L = len(rec.layers)
+    if L == 0 or sorted(rec.layers) != list(range(L)):
+        raise ModelError(
+            f"{type(model).__name__}: the capture attention saw layers {sorted(rec.layers)}; KVP traces need a "
+            "model whose attention goes through transformers' attention interface"
+        )
+    out = {k: torch.cat([rec.layers[i][k] for i in range(L)], dim=0) for k in rec.layers[0]}
+    image_token_id = getattr(model.config, "image_token_id", None)
+    ids0 = ids[0].cpu()
+    is_img = ids0 == image_token_id if image_token_id is not None else torch.zeros(n, dtype=torch.bool)
+    out["positions"] = torch.arange(n, dtype=torch.int32)
+    out["modality"] = torch.where(is_img, IMAGE, TEXT).to(torch.int8)
+    per_image = int(getattr(model.config, "image_seq_length", 0) or max(1, int(is_img.sum())))
+    out["image_rc"] = image_grid_coords(ids0, image_token_id, per_image).to(torch.int16)
+    out["answer_len"] = torch.tensor([ans_ids.shape[1]], dtype=torch.int32)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shards
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _read_manifest(out_dir: Path) -> dict | None:
+    p = out_dir / MANIFEST
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ResultsError(f"{p} is corrupt ({e}); delete {out_dir} to capture again") from e
+
+
+def capture_traces(
+    model: Any,
+    processor: Any,
+    samples: list[TraceSample],
+    out_dir: str | Path,
+    data_spec: str = "",
+    answer: str = "reference",
+    shard_size: int = 64,
+    store_queries: bool = True,
+    max_new_tokens: int = 32,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Capture traces for `samples` into `out_dir` (shard_XXXXX.safetensors + manifest.json). Resumes a
+    previous capture of the same model, data and settings after its last complete shard."""
+    from safetensors.torch import save
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sig = model_signature(model)
+    settings = {
+        "data": data_spec,
+        "answer": answer,
+        "shard_size": shard_size,
+        "store_queries": store_queries,
+        "num_samples": len(samples),
+    }
+    manifest = _read_manifest(out_dir)
+    if manifest is None:
+        manifest = {"model": sig, "settings": settings, "shards": []}
+    else:
+        if manifest["model"].get("fingerprint") != sig["fingerprint"] or manifest["settings"] != settings:
+            raise ResultsError(
+                f"{out_dir} holds traces of another capture (model {manifest['model'].get('fingerprint')}, "
+                f"settings {manifest['settings']}); use a new --out directory or delete it"
+            )
+    done = sum(s["count"] for s in manifest["shards"])
+    if done:
+        logger.info("resuming capture in %s after %d samples", out_dir, done)
+    model.eval()
+    for start in range(done, len(samples), shard_size):
+        chunk = samples[start : start + shard_size]
+        tensors: dict[str, torch.Tensor] = {}
+        ids = []
+        for k, s in enumerate(chunk):
+            tr = capture_sample(
+                model, processor, s, answer=answer, max_new_tokens=max_new_tokens, store_queries=store_queries
+            )
+            for name, t in tr.items():
+                tensors[f"{k}.{name}"] = t.contiguous()
+            ids.append(s.sample_id)
+            if progress:
+                progress(start + k + 1, len(samples))
+        name = f"shard_{len(manifest['shards']):05d}.safetensors"
+        _atomic_write_bytes(out_dir / name, save(tensors, metadata={"sample_ids": json.dumps(ids)}))
+        manifest["shards"].append({"file": name, "count": len(chunk), "sample_ids": ids})
+        _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    return out_dir
+
+
+def iter_traces(trace_dir: str | Path) -> Iterator[dict[str, torch.Tensor]]:
+    """Every captured sample of a trace directory, in capture order, as a dict of tensors."""
+    from safetensors.torch import load_file
+
+    trace_dir = Path(trace_dir)
+    manifest = _read_manifest(trace_dir)
+    if manifest is None:
+        raise DataError(
+            f"{trace_dir} holds no KVP traces ({MANIFEST} missing); capture them with `mm-oval train-kvp`"
+        )
+    for shard in manifest["shards"]:
+        path = trace_dir / shard["file"]
+        try:
+            tensors = load_file(str(path))
+        except Exception as e:  # noqa: BLE001
+            raise DataError(
+                f"{path}: trace shard cannot be read ({e}); delete it and its manifest entry, then resume"
+            ) from e
+        for k in range(shard["count"]):
+            prefix = f"{k}."
+            yield {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)} | {
+                "sample_id": shard["sample_ids"][k]
+            }
+
+
+def trace_model_signature(trace_dir: str | Path) -> dict:
+    manifest = _read_manifest(Path(trace_dir))
+    if manifest is None:
+        raise DataError(f"{trace_dir} holds no KVP traces ({MANIFEST} missing)")
+    return manifest["model"]
+
+
+def load_traces(trace_dirs: Iterable[str | Path]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for d in trace_dirs:
+        out.extend(iter_traces(d))
+    return out
