@@ -1,0 +1,157 @@
+"""POPE (object hallucination): yes/no questions scored as LLaVA's `eval_pope.py` does.
+
+- Data: JSONL rows {question_id, image, text, label, category?}; or a folder of the official
+  `coco_pope_<category>.json` files (JSONL, labels inside), where ids are "<category>/<question_id>".
+- Prompt: the question + "\\nAnswer the question using a single word or phrase." (added unless present).
+- Extraction: keep the text before the first '.', drop ',', split on single spaces; "no" when one of the
+  words is exactly "No", "not" or "no", else "yes" (so "NO" and "Nope" read as yes, as in the script).
+- Metrics per category (positive = yes): accuracy, precision, recall, F1, yes-ratio; papers report the
+  mean over the categories (random / popular / adversarial), given here as `mean_over_categories`.
+  Where the script would divide by zero (no predicted or no true positives) the value is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ..errors import DataError
+from .files import atomic_write_text, open_image, read_jsonl
+from .tasks import SHORT_ANSWER_PROMPT, Item, Task
+from .vqa import find_image_dir
+
+log = logging.getLogger(__name__)
+
+
+def yes_no(text: str) -> str:
+    """LLaVA's eval_pope rule: 'yes' or 'no'."""
+    if text.find(".") != -1:
+        text = text.split(".")[0]
+    text = text.replace(",", "")
+    words = text.split(" ")
+    if "No" in words or "not" in words or "no" in words:
+        return "no"
+    return "yes"
+
+
+def binary_metrics(preds: list[int], labels: list[int]) -> dict[str, float | int]:
+    tp = sum(1 for p, g in zip(preds, labels) if p == 1 and g == 1)
+    fp = sum(1 for p, g in zip(preds, labels) if p == 1 and g == 0)
+    tn = sum(1 for p, g in zip(preds, labels) if p == 0 and g == 0)
+    fn = sum(1 for p, g in zip(preds, labels) if p == 0 and g == 1)
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    n = len(preds)
+    return {
+        "accuracy": 100.0 * (tp + tn) / n if n else 0.0,
+        "precision": 100.0 * precision,
+        "recall": 100.0 * recall,
+        "f1": 100.0 * f1,
+        "yes_ratio": 100.0 * sum(preds) / n if n else 0.0,
+        "TP": tp, "FP": fp, "TN": tn, "FN": fn, "count": n,
+    }  # fmt: skip
+
+
+class POPETask(Task):
+    name = "pope"
+    primary_metric = "f1"
+    predictions_format = 'JSONL rows {"question_id", "text"} (LLaVA\'s answers file)'
+
+    def load(self, data: Path, limit: int | None = None, images: str | None = None, **_: Any) -> list[Item]:
+        if data.is_file():
+            sources = [(data, None)]
+        else:
+            official = sorted(data.glob("coco_pope_*.json"))
+            if official:
+                sources = [(p, p.stem[len("coco_pope_") :]) for p in official]
+            else:
+                hits = sorted(data.glob("pope*.jsonl")) or sorted(data.glob("*.jsonl"))
+                if len(hits) != 1:
+                    raise DataError(
+                        f"{data}: expected one POPE .jsonl file or coco_pope_<category>.json files"
+                    )
+                sources = [(hits[0], None)]
+        image_dir = find_image_dir(data, images, ("images", "val2014"))
+        items: list[Item] = []
+        for path, file_category in sources:
+            for lineno, row in enumerate(read_jsonl(path, "POPE file"), 1):
+                try:
+                    qid, text, label, image = row["question_id"], row["text"], row["label"], row["image"]
+                except KeyError as e:
+                    raise DataError(
+                        f"{path}, line {lineno}: missing field {e} (need question_id, image, text, label)"
+                    ) from e
+                if str(label).lower() not in ("yes", "no"):
+                    raise DataError(f"{path}, line {lineno}: label {label!r} is not 'yes' or 'no'")
+                category = file_category or row.get("category") or "all"
+                prompt = text if SHORT_ANSWER_PROMPT in text else f"{text}\n{SHORT_ANSWER_PROMPT}"
+                img = image_dir / image
+                items.append(
+                    Item(
+                        id=f"{file_category}/{qid}" if file_category else str(qid),
+                        prompt=prompt,
+                        image=(lambda p=img: open_image(p)),
+                        meta={"label": str(label).lower(), "category": category, "question_id": qid},
+                        group=str(image),
+                    )
+                )
+        if limit is not None:
+            items = items[:limit]
+        ids = [it.id for it in items]
+        if len(set(ids)) != len(ids):
+            raise DataError(f"{data}: question_id values repeat; POPE ids must be unique within a file")
+        return items
+
+    def score(self, items: list[Item], predictions: dict[str, str]) -> dict[str, Any]:
+        by_cat: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        all_p, all_l = [], []
+        for it in items:
+            p = 0 if yes_no(predictions.get(it.id, "")) == "no" else 1
+            g = 0 if it.meta["label"] == "no" else 1
+            by_cat[it.meta["category"]][0].append(p)
+            by_cat[it.meta["category"]][1].append(g)
+            all_p.append(p)
+            all_l.append(g)
+        out: dict[str, Any] = binary_metrics(all_p, all_l)
+        per = {c: binary_metrics(p, g) for c, (p, g) in sorted(by_cat.items())}
+        out["per_category"] = per
+        keys = ("accuracy", "precision", "recall", "f1", "yes_ratio")
+        out["mean_over_categories"] = (
+            {k: sum(m[k] for m in per.values()) / len(per) for k in keys} if per else {}
+        )
+        out["num_missing_predictions"] = sum(it.id not in predictions for it in items)
+        return out
+
+    def read_predictions(self, path: Path, items: list[Item]) -> dict[str, str]:
+        rows = read_jsonl(path, "POPE answers file")
+        ids = {it.id for it in items}
+        out: dict[str, str] = {}
+        unknown = 0
+        for lineno, r in enumerate(rows, 1):
+            if "question_id" not in r or "text" not in r:
+                raise DataError(f'{path}, line {lineno}: needs "question_id" and "text"')
+            key = str(r["question_id"])
+            if key not in ids and "category" in r:
+                key = f"{r['category']}/{key}"
+            if key in ids:
+                out[key] = str(r["text"])
+            else:
+                unknown += 1
+        if unknown:
+            log.warning("%s: %d answers name questions that are not in the data; ignored", path, unknown)
+        return out
+
+    def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:
+        path = path.with_suffix(".jsonl")
+        lines = [
+            json.dumps(
+                {"question_id": it.id, "text": predictions.get(it.id, ""), "category": it.meta["category"]}
+            )
+            for it in items
+        ]
+        atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
+        return path

@@ -1,0 +1,104 @@
+"""What every benchmark provides to the runner: items (an image, a prompt, the ground truth), a scorer,
+and the readers/writers of the official prediction formats. The runner is generic over these."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from PIL import Image
+
+from ..errors import ConfigError, DataError
+
+# LLaVA-1.5's instruction after short-answer questions (VQAv2, TextVQA, POPE, GQA, ...)
+SHORT_ANSWER_PROMPT = "Answer the question using a single word or phrase."
+
+
+@dataclass
+class Item:
+    """One question. `id` is unique within the task (a string, so it can key JSON); `image` loads the
+    image lazily; `meta` holds what the scorer needs; `group` names the conversation in multi-turn mode."""
+
+    id: str
+    prompt: str
+    image: Callable[[], Image.Image]
+    meta: dict[str, Any] = field(default_factory=dict)
+    group: str | None = None
+
+
+class Task(ABC):
+    name: ClassVar[str]
+    # short answers: greedy decoding stops at EOS long before this; it only bounds runaway outputs
+    max_new_tokens: ClassVar[int] = 16
+    primary_metric: ClassVar[str]
+    # predictions-file formats `mm-oval score` reads for this task (for the help text)
+    predictions_format: ClassVar[str] = ""
+
+    @abstractmethod
+    def load(self, data: Path, limit: int | None = None, **paths: Any) -> list[Item]:
+        """Items in dataset order. `limit` keeps the first N questions (MMBench: N questions with
+        all their rotations)."""
+
+    @abstractmethod
+    def score(self, items: list[Item], predictions: dict[str, str]) -> dict[str, Any]:
+        """Scores by the official rules. Items without a prediction count as wrong."""
+
+    @abstractmethod
+    def read_predictions(self, path: Path, items: list[Item]) -> dict[str, str]:
+        """Predictions written by another toolkit (the official format) -> {item id: text}."""
+
+    @abstractmethod
+    def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:
+        """Write predictions in the official format (what `read_predictions` reads); return the path."""
+
+    def primary(self, scores: dict[str, Any]) -> float:
+        return float(scores[self.primary_metric])
+
+
+TASKS: dict[str, str] = {
+    "mmbench": "mm_oval.eval.mmbench:MMBenchTask",
+    "vqav2": "mm_oval.eval.vqa:VQAv2Task",
+    "textvqa": "mm_oval.eval.textvqa:TextVQATask",
+    "pope": "mm_oval.eval.pope:POPETask",
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ConfigError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+    module, cls = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def resolve_data(data: str | Path) -> Path:
+    """`bundled` -> the bundled synthetic dev sets; anything else must exist."""
+    if str(data) == "bundled":
+        try:
+            from mm_oval.zoo import bundled_data_dir
+        except ImportError as e:
+            raise DataError(
+                "the bundled dev sets are not available in this install (mm_oval.zoo.bundled_data_dir is "
+                "missing); pass --data PATH to a dataset instead"
+            ) from e
+        return Path(bundled_data_dir())
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DataError(f"data path not found: {path}")
+    return path
+
+
+def find_one(folder: Path, patterns: list[str], what: str) -> Path:
+    """The single file in `folder` matching the first pattern that matches anything."""
+    for pattern in patterns:
+        hits = sorted(p for p in folder.glob(pattern) if p.is_file())
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise DataError(
+                f"{folder} holds several {what} files ({', '.join(h.name for h in hits)}); pass the file itself"
+            )
+    raise DataError(f"no {what} file in {folder} (looked for {', '.join(patterns)})")
