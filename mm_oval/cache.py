@@ -1,0 +1,441 @@
+"""`PagedMultimodalCache`: a transformers `Cache` whose layers keep, per KV head, the tokens an eviction
+policy chose at the end of prefill, laid out in pages, and attend at decode over all of them or over the
+pages a retrieval policy picks.
+
+How it plugs into an unmodified model: `update` (called by the attention module just before its
+attention function) stores the new keys/values and leaves a note (`_PENDING`) for the attention function
+that mm-oval registered (`mm_oval.wrapper`). That function runs the model's own attention during prefill,
+then calls `PagedLayer.finish_prefill` (eviction + pages); at decode it calls `PagedLayer.attend`.
+`get_seq_length()` is the logical length (prompt + generated), which `generate` uses to slice the inputs;
+RoPE positions come from the attention mask and stay the original ones.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .config import OvalConfig
+from .errors import ConfigError, DataError
+from .pages import gather_pages, layout_pages
+from .policies.base import (
+    IMAGE,
+    PAD,
+    TEXT,
+    DecodeContext,
+    EvictionPolicy,
+    PageBatch,
+    PrefillContext,
+    RetrievalPolicy,
+    budget_count,
+    make_eviction,
+    make_retrieval,
+    topk_mask,
+)
+
+logger = logging.getLogger(__name__)
+
+# the layer whose `update` just ran; its attention function picks it up (same module, same forward)
+_PENDING: contextvars.ContextVar[PagedLayer | None] = contextvars.ContextVar("mm_oval_pending", default=None)
+
+
+def take_pending(layer_idx: int | None) -> PagedLayer | None:
+    layer = _PENDING.get()
+    if layer is None or layer.layer_idx != layer_idx:
+        return None
+    _PENDING.set(None)
+    return layer
+
+
+@dataclass
+class RequestInfo:
+    """What the cache knows about each prompt token of the request (B samples, N tokens)."""
+
+    modality: torch.Tensor  # (B, N) int8: TEXT, IMAGE, PAD
+    positions: torch.Tensor  # (B, N) long, original RoPE positions, -1 for padding
+    image_rc: torch.Tensor  # (B, N, 3) long: (image, row, col), -1 for non-image tokens
+    protected: torch.Tensor  # (B, N) bool: sink or recent-window token
+
+    @property
+    def next_pos(self) -> torch.Tensor:  # (B,) position of the first token after the prompt
+        return self.positions.amax(-1) + 1
+
+
+def request_info(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    image_token_id: int,
+    tokens_per_image: int,
+    sink_tokens: int,
+    recent_tokens: int,
+) -> RequestInfo:
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    is_img = (input_ids == image_token_id) & valid
+    modality = torch.full_like(input_ids, TEXT, dtype=torch.int8)
+    modality[is_img] = IMAGE
+    modality[~valid] = PAD
+    positions = valid.long().cumsum(-1) - 1
+    positions = positions.masked_fill(~valid, -1)
+    side = max(int(round(math.sqrt(tokens_per_image))), 1)
+    if side * side != tokens_per_image:  # non-square patch grid: one row per image
+        side = tokens_per_image
+    ordinal = is_img.long().cumsum(-1) - 1
+    rc = torch.stack(
+        [ordinal // tokens_per_image, (ordinal % tokens_per_image) // side, ordinal % side], dim=-1
+    )
+    image_rc = torch.where(is_img.unsqueeze(-1), rc, torch.full_like(rc, -1))
+    n_valid = valid.sum(-1, keepdim=True)
+    protected = valid & ((positions < sink_tokens) | (positions >= n_valid - recent_tokens))
+    return RequestInfo(modality, positions, image_rc, protected)
+
+
+def choose_kept(scores: torch.Tensor, info: RequestInfo, config: OvalConfig) -> torch.Tensor:
+    """(B, Hkv, N) scores -> (B, Hkv, N) bool: per sample and KV head, the protected tokens plus the
+    top-scored ones, within each modality's budget (scope "image") or all together (scope "all")."""
+    B, H, N = scores.shape
+    mod = info.modality.unsqueeze(1).expand(B, H, N)
+    prot = info.protected.unsqueeze(1).expand(B, H, N)
+    s = scores.float().masked_fill(prot, float("inf"))
+    counts = {}
+    for m, budget in ((IMAGE, config.budget), (TEXT, config.text_budget)):
+        n = (info.modality == m).sum(-1)  # (B,)
+        p = (info.protected & (info.modality == m)).sum(-1)
+        counts[m] = (budget_count(budget, n), p)
+    if config.scope == "all":
+        k = counts[IMAGE][0] + counts[TEXT][0]
+        k = torch.maximum(k, counts[IMAGE][1] + counts[TEXT][1])
+        return topk_mask(s, mod != PAD, k.view(B, 1).expand(B, H))
+    keep = torch.zeros_like(prot)
+    for m, (k, p) in counts.items():
+        k = torch.maximum(k, p).view(B, 1).expand(B, H)
+        keep |= topk_mask(s, mod == m, k)
+    return keep
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's kept tokens, per KV head, page-major (layout of docs/kernels.md)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, owner: PagedMultimodalCache, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.phase = "empty"  # empty -> prefill (full prompt stored) -> decode (compressed + appended)
+        self.logical_len = 0
+        self.stats: dict[str, Any] = {}
+
+    # ---- transformers' CacheLayerMixin -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        if self.phase == "empty":
+            if self.owner.info is None:
+                raise ConfigError(
+                    "this PagedMultimodalCache was not prepared for a request: call the wrapped model "
+                    "(mm_oval.wrap) with input_ids, or cache.prepare(input_ids, attention_mask) first"
+                )
+            self.keys, self.values = key_states, value_states
+            self.phase = "prefill"
+            self.logical_len = q
+        else:
+            if self.phase == "prefill":
+                raise ConfigError(
+                    f"layer {self.layer_idx}: prefill did not finish; the model's attention must be mm-oval's "
+                    "(wrap the model with mm_oval.wrap)"
+                )
+            self._append(key_states, value_states)
+        _PENDING.set(self)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # prefill: the model's own mask over the prompt; decode: mm-oval builds its own per-head mask
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.logical_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.phase = "empty"
+        self.logical_len = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ConfigError("beam search is not supported by mm-oval's cache; use greedy or sampling")
+
+    # ---- prefill: eviction and pages -------------------------------------------------------------
+    def finish_prefill(self, query: torch.Tensor, module: Any, scaling: float) -> None:
+        owner, cfg, info = self.owner, self.owner.config, self.owner.info
+        keys, values = self.keys, self.values
+        B, H, N, D = keys.shape
+        if info.modality.shape != (B, N):
+            raise DataError(
+                f"the cache was prepared for inputs of shape {tuple(info.modality.shape)} but layer "
+                f"{self.layer_idx} got {N} tokens for batch {B}"
+            )
+        valid = (info.modality != PAD).unsqueeze(1).expand(B, H, N)
+        keep = valid
+        policy = owner.eviction
+        if policy is not None and cfg.evicts:
+            ctx = PrefillContext(
+                layer_idx=self.layer_idx,
+                keys=keys,
+                values=values,
+                queries=query if policy.needs_queries else None,
+                positions=info.positions,
+                modality=info.modality,
+                image_rc=info.image_rc,
+                scaling=scaling,
+                module=module,
+                extra=owner.extra,
+                chunk_size=cfg.chunk_size,
+            )
+            scores = policy.score(ctx)
+            if not policy.keep_layer_unchanged(self.layer_idx):
+                if scores.shape != (B, H, N):
+                    raise ConfigError(
+                        f"eviction method {policy.name!r} returned scores of shape {tuple(scores.shape)}, "
+                        f"expected {(B, H, N)}"
+                    )
+                keep = choose_kept(scores, info, cfg) & valid
+        lay = layout_pages(
+            keep,
+            info.modality,
+            info.positions,
+            info.image_rc,
+            info.protected,
+            cfg.image_tile,
+            cfg.text_page_size,
+        )
+        src = lay.src.clamp(min=0)
+        ok = lay.src >= 0
+        idx = src.unsqueeze(-1).expand(*src.shape, D)
+        self.keys = keys.gather(2, idx) * ok.unsqueeze(-1)
+        self.values = values.gather(2, idx) * ok.unsqueeze(-1)
+        exp = lambda t: t.unsqueeze(1).expand(B, H, N)  # noqa: E731
+        self.slot_valid = ok
+        self.slot_pos = torch.where(ok, exp(info.positions).gather(-1, src), -1)
+        self.slot_mod = torch.where(ok, exp(info.modality.long()).gather(-1, src), PAD).to(torch.int8)
+        self.slot_page = lay.slot_page
+        rc = info.image_rc.unsqueeze(1).expand(B, H, N, 3).gather(2, src.unsqueeze(-1).expand(*src.shape, 3))
+        self.slot_rc = torch.where(ok.unsqueeze(-1), rc, -1)
+        self.prompt_slots = self.keys.shape[2]
+        self.prompt_pages = lay.page_start.shape[-1]
+        self.page_start, self.page_len = lay.page_start, lay.page_len
+        self.page_kind, self.page_pinned = lay.page_kind, lay.page_pinned
+        self.next_pos = info.next_pos.clone()
+        self.n_decode = 0
+        self.module = module
+        self.summaries: dict[str, torch.Tensor] = {}
+        if owner.retrieval is not None:
+            self._summarize(0, self.prompt_pages)
+        self.phase = "decode"
+        self._record_prefill_stats(valid, info)
+
+    def _summarize(self, first: int, stop: int) -> None:
+        k, v, mask = gather_pages(self.keys, self.values, self.page_start, self.page_len, slice(first, stop))
+        batch = PageBatch(
+            layer_idx=self.layer_idx,
+            keys=k,
+            values=v,
+            mask=mask,
+            kind=self.page_kind[..., first:stop],
+            first_page=first,
+            module=self.module,
+        )
+        new = self.owner.retrieval.summarize(batch)
+        for name, t in new.items():
+            old = self.summaries.get(name)
+            self.summaries[name] = t if old is None else torch.cat([old, t], dim=2)
+
+    def _record_prefill_stats(self, valid: torch.Tensor, info: RequestInfo) -> None:
+        B, H, L, D = self.keys.shape
+        per_token = 2 * D * self.keys.element_size()  # keys + values, one KV head
+        out: dict[str, Any] = {"layer": self.layer_idx}
+        for name, m in (("image", IMAGE), ("text", TEXT)):
+            full = int((info.modality == m).sum()) * H
+            kept = int((self.slot_valid & (self.slot_mod == m)).sum())
+            out[f"{name}_tokens_full"] = full / H
+            out[f"{name}_tokens_kept"] = kept / H  # summed over the batch, averaged over KV heads
+            out[f"{name}_bytes_full"] = full * per_token
+            out[f"{name}_bytes_kept"] = kept * per_token
+        out["bytes_allocated"] = B * H * L * per_token
+        out["pages"] = int((self.page_len > 0).sum()) / H
+        self.stats = out
+
+    # ---- decode ------------------------------------------------------------------------------------
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, H, q, _ = k.shape
+        dev = k.device
+        self.keys = torch.cat([self.keys, k], dim=2)
+        self.values = torch.cat([self.values, v], dim=2)
+        pos = self.next_pos.view(B, 1) + torch.arange(q, device=dev)
+        self.next_pos = self.next_pos + q
+        self.slot_valid = torch.cat([self.slot_valid, torch.ones(B, H, q, dtype=torch.bool, device=dev)], -1)
+        self.slot_pos = torch.cat([self.slot_pos, pos.unsqueeze(1).expand(B, H, q)], -1)
+        self.slot_mod = torch.cat(
+            [self.slot_mod, torch.full((B, H, q), TEXT, dtype=torch.int8, device=dev)], -1
+        )
+        self.slot_rc = torch.cat(
+            [self.slot_rc, torch.full((B, H, q, 3), -1, dtype=torch.long, device=dev)], 2
+        )
+        S = self.owner.config.text_page_size
+        t = self.n_decode + torch.arange(q, device=dev)
+        page = (self.prompt_pages + t // S).view(1, 1, q).expand(B, H, q)
+        self.slot_page = torch.cat([self.slot_page, page], -1)
+        closed_before = self.n_decode // S
+        self.n_decode += q
+        self.logical_len += q
+        # decode pages: page j starts at prompt_slots + j * S
+        n_pages = -(-self.n_decode // S)
+        j = torch.arange(n_pages, device=dev)
+        dec_start = (self.prompt_slots + j * S).view(1, 1, -1).expand(B, H, -1)
+        dec_len = (self.n_decode - j * S).clamp(max=S).view(1, 1, -1).expand(B, H, -1)
+        P0 = self.prompt_pages
+        self.page_start = torch.cat([self.page_start[..., :P0], dec_start], -1)
+        self.page_len = torch.cat([self.page_len[..., :P0], dec_len], -1)
+        self.page_kind = torch.cat(
+            [self.page_kind[..., :P0], torch.full((B, H, n_pages), TEXT, dtype=torch.int8, device=dev)], -1
+        )
+        self.page_pinned = torch.cat(
+            [self.page_pinned[..., :P0], torch.zeros((B, H, n_pages), dtype=torch.bool, device=dev)], -1
+        )
+        closed_now = self.n_decode // S
+        if self.owner.retrieval is not None and closed_now > closed_before:
+            self._summarize(P0 + closed_before, P0 + closed_now)
+
+    def read_mask(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """(B, Hkv, Q, L) bool: the slots each KV head reads for the Q newest tokens."""
+        B, H, L = self.slot_valid.shape
+        q = query.shape[2]
+        dev = query.device
+        mask = self.slot_valid.unsqueeze(2).expand(B, H, q, L).clone()
+        # the q newest slots: causal among themselves
+        new = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+        mask[..., L - q :] = new
+        owner = self.owner
+        if owner.retrieval is not None and self.summaries:
+            P_s = next(iter(self.summaries.values())).shape[2]  # pages with a summary (closed pages)
+            kind = self.page_kind[..., :P_s]
+            plen = self.page_len[..., :P_s]
+            cand = (plen > 0) & ~self.page_pinned[..., :P_s]
+            if owner.config.retrieval_scope == "image":
+                cand &= kind == IMAGE
+            ctx = DecodeContext(
+                layer_idx=self.layer_idx,
+                query=query,
+                summaries=self.summaries,
+                page_start=self.page_start[..., :P_s],
+                page_len=plen,
+                page_kind=kind,
+                candidates=cand,
+                scaling=scaling,
+                module=self.module,
+                extra=owner.step_extra,
+            )
+            chosen = owner.retrieval.select(ctx, owner.config.read_budget)
+            read_page = chosen | ~cand  # non-candidates are always read (empty pages have no slots)
+            sp = self.slot_page
+            in_closed = (sp >= 0) & (sp < P_s)
+            read_slot = torch.where(in_closed, read_page.gather(-1, sp.clamp(min=0, max=P_s - 1)), True)
+            mask &= read_slot.unsqueeze(2)
+            n_cand = int(cand.sum())
+            if n_cand:
+                owner.counters["candidate_pages"] += n_cand
+                owner.counters["pages_read"] += int((chosen & cand).sum())
+        return mask
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Exact attention of `query` (B, Hq, Q, D) over the slots read; returns (B, Q, Hq, D)."""
+        B, Hq, q, D = query.shape
+        H = self.keys.shape[1]
+        G = Hq // H
+        mask = self.read_mask(query, scaling)  # (B, H, q, L)
+        # GQA without repeating keys: the G query heads of a KV head become G * q rows
+        qg = query.reshape(B, H, G * q, D)
+        mg = mask.unsqueeze(2).expand(B, H, G, q, mask.shape[-1]).reshape(B, H, G * q, -1)
+        out = F.scaled_dot_product_attention(qg, self.keys, self.values, attn_mask=mg, scale=scaling)
+        return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
+
+
+class PagedMultimodalCache(Cache):
+    """The cache of one request (batch). Built by the wrapped model's `generate`; build one yourself for
+    a multi-turn session with `mm_oval.wrapper.prefill`."""
+
+    def __init__(
+        self,
+        text_config: Any,
+        config: OvalConfig,
+        eviction: EvictionPolicy | None = None,
+        retrieval: RetrievalPolicy | None = None,
+    ):
+        n_layers = text_config.num_hidden_layers
+        super().__init__(layers=[PagedLayer(self, i) for i in range(n_layers)])
+        self.config = config
+        if eviction is None and config.method != "full":
+            eviction = make_eviction(config.method, **config.method_options)
+        if retrieval is None and config.retrieval:
+            retrieval = make_retrieval(config.retrieval, **config.retrieval_options)
+        self.eviction = eviction
+        self.retrieval = retrieval
+        self.info: RequestInfo | None = None
+        self.extra: dict[str, Any] = {}  # per request, shared by the layers' eviction calls
+        self.step_extra: dict[str, Any] = {}  # per decode step, for retrieval policies (e.g. last_hidden)
+        self.counters = {"candidate_pages": 0, "pages_read": 0}
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
+
+    def prepare(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        image_token_id: int,
+        tokens_per_image: int,
+    ) -> None:
+        if self.get_seq_length() != 0:
+            raise ConfigError(
+                "this cache already holds a request; build a new one (or cache.copy()) per request"
+            )
+        self.info = request_info(
+            input_ids,
+            attention_mask,
+            image_token_id,
+            tokens_per_image,
+            self.config.sink_tokens,
+            self.config.recent_tokens,
+        )
+        self.extra = {}
+
+    def copy(self) -> PagedMultimodalCache:
+        """An independent copy (e.g. to ask several questions about one compressed image)."""
+        import copy
+
+        # share what is not per-request state: the model's modules and the policies
+        memo: dict[int, Any] = {id(self.eviction): self.eviction, id(self.retrieval): self.retrieval}
+        for layer in self.layers:
+            m = getattr(layer, "module", None)
+            if m is not None:
+                memo[id(m)] = m
+        return copy.deepcopy(self, memo)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ConfigError("beam search is not supported by mm-oval's cache; use greedy or sampling")

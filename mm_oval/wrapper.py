@@ -1,0 +1,273 @@
+"""`mm_oval.wrap(model, ...)`: put a `PagedMultimodalCache` under an unmodified LLaVA.
+
+What wrapping changes, and `unwrap` restores:
+- the language model's attention implementation becomes `mm_oval_<inner>` (e.g. `mm_oval_sdpa`): the
+  model's own attention function (`inner`) during prefill, then eviction; the cache's exact attention over
+  the kept (and, with retrieval, selected) slots at decode. The vision tower is untouched;
+- `model.generate` builds a fresh cache per call and then calls Hugging Face's `generate`;
+- forward hooks prepare the cache from `input_ids` (modality, positions, image rows/cols), time prefill
+  and decode, and hand the last hidden state to retrieval policies.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache import PagedMultimodalCache, take_pending
+from .config import OvalConfig
+from .errors import ConfigError, DataError, ModelError
+from .policies.base import make_eviction, make_retrieval
+from .stats import cache_stats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "mm_oval_"
+
+
+@dataclass
+class WrapState:
+    config: OvalConfig
+    inner_attn: str
+    eviction: Any
+    retrieval: Any
+    hooks: list = field(default_factory=list)
+    last_stats: dict | None = None
+    tokens_per_image: int = 0
+
+
+def _language_model(model: Any) -> Any:
+    inner = getattr(model, "model", None)
+    lm = getattr(inner, "language_model", None)
+    if lm is None or not hasattr(lm, "layers") or getattr(model.config, "image_token_id", None) is None:
+        raise ModelError(
+            f"{type(model).__name__} is not a LLaVA-style model: mm_oval.wrap needs a "
+            "LlavaForConditionalGeneration (model.model.language_model.layers and config.image_token_id), "
+            "e.g. llava-hf/llava-1.5-7b-hf or mm_oval.zoo's tiny model"
+        )
+    return lm
+
+
+def _tokens_per_image(model: Any) -> int:
+    cfg = model.config
+    n = getattr(cfg, "image_seq_length", None)
+    vc = getattr(cfg, "vision_config", None)
+    if vc is not None and getattr(vc, "image_size", None) and getattr(vc, "patch_size", None):
+        n = (vc.image_size // vc.patch_size) ** 2
+        if getattr(cfg, "vision_feature_select_strategy", "default") == "full":
+            n += 1
+    if not n:
+        raise ModelError(
+            "cannot tell how many tokens one image takes (no vision_config.image_size/patch_size)"
+        )
+    return int(n)
+
+
+def _eager_of(module: Any):
+    mod = sys.modules.get(type(module).__module__)
+    fn = getattr(mod, "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
+
+
+def _make_attention(inner: str):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer = take_pending(getattr(module, "layer_idx", None))
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if layer is None or layer.phase == "prefill":
+            fn = _eager_of(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
+            out = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            if layer is not None:
+                layer.finish_prefill(query, module, scaling)
+            return out
+        return layer.attend(query, scaling), None
+
+    attention.__name__ = f"{PREFIX}{inner}_attention"
+    return attention
+
+
+def _register(inner: str) -> str:
+    name = f"{PREFIX}{inner}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _make_attention(inner))
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS and inner in ALL_MASK_ATTENTION_FUNCTIONS:
+        # the model's own mask (causal + padding) during prefill; decode ignores it
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    return name
+
+
+def _cache_from_kwargs(kwargs: dict) -> Any:
+    for key in ("cache", "past_key_values"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def _check_images(input_ids: torch.Tensor, pixel_values: Any, image_token_id: int, per_image: int) -> None:
+    n_tokens = int((input_ids == image_token_id).sum())
+    if pixel_values is None:
+        return
+    n_images = int(pixel_values.shape[0]) if pixel_values.dim() == 4 else int(pixel_values.shape[:2].numel())
+    if n_tokens != n_images * per_image:
+        raise DataError(
+            f"the prompt holds {n_tokens} image tokens but {n_images} image(s) of {per_image} tokens each "
+            f"were given ({n_images * per_image} expected): build the inputs with the model's processor, "
+            "one <image> placeholder per image"
+        )
+
+
+def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
+    state: WrapState = model._mm_oval
+    cache = _cache_from_kwargs(kwargs)
+    if not isinstance(cache, PagedMultimodalCache):
+        return
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if cache.get_seq_length() == 0:
+        if input_ids is None:
+            raise ConfigError(
+                "mm-oval needs input_ids (not inputs_embeds) to know which tokens are image tokens"
+            )
+        _check_images(
+            input_ids, kwargs.get("pixel_values"), model.config.image_token_id, state.tokens_per_image
+        )
+        cache.prepare(
+            input_ids, kwargs.get("attention_mask"), model.config.image_token_id, state.tokens_per_image
+        )
+        cache._phase_now = "prefill"
+    else:
+        cache._phase_now = "decode"
+    _sync(input_ids)
+    cache._t0 = time.perf_counter()
+
+
+def _post_forward(model: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    cache = _cache_from_kwargs(kwargs)
+    if not isinstance(cache, PagedMultimodalCache) or getattr(cache, "_t0", None) is None:
+        return
+    _sync(getattr(output, "logits", None))
+    dt = time.perf_counter() - cache._t0
+    cache._t0 = None
+    if cache._phase_now == "prefill":
+        cache.timings["prefill_s"] += dt
+    else:
+        cache.timings["decode_s"] += dt
+        cache.timings["decode_steps"] += 1
+        return
+    model._mm_oval.last_stats = cache_stats(cache)
+
+
+def _sync(t: Any) -> None:
+    if isinstance(t, torch.Tensor) and t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+def _norm_hook(cache_box: dict, module: Any, args: tuple, output: Any) -> None:
+    cache = cache_box.get("cache")
+    if cache is not None and cache.retrieval is not None and isinstance(output, torch.Tensor):
+        cache.step_extra["last_hidden"] = output[:, -1].detach()
+
+
+def new_cache(model: Any) -> PagedMultimodalCache:
+    """A fresh cache for one request through the wrapped `model`."""
+    state: WrapState = _state(model)
+    return PagedMultimodalCache(model.config.text_config, state.config, state.eviction, state.retrieval)
+
+
+def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
+    state = _state(model)
+    if kwargs.get("num_beams", 1) not in (None, 1):
+        raise ConfigError("beam search is not supported by mm-oval's cache; use greedy or sampling")
+    cache = _cache_from_kwargs(kwargs)
+    if cache is None:
+        cache = new_cache(model)
+    elif not isinstance(cache, PagedMultimodalCache):
+        raise ConfigError("a wrapped model generates with mm-oval's cache: do not pass another cache")
+    kwargs.pop("past_key_values", None)
+    kwargs["cache"] = cache
+    model._mm_oval_cache_box["cache"] = cache
+    try:
+        return model._mm_oval_generate(*args, **kwargs)
+    finally:
+        model._mm_oval_cache_box["cache"] = None
+        if cache.info is not None:
+            state.last_stats = cache_stats(cache)
+
+
+def prefill(model: Any, **inputs: Any) -> PagedMultimodalCache:
+    """Run the prompt once (e.g. the image and a system text) and return the compressed cache. Then ask
+    several questions: `model.generate(input_ids=prompt+question, attention_mask=..., cache=cache.copy())`
+    (the question is not part of the compressed prefill; pass no pixel_values again)."""
+    cache = new_cache(model)
+    model._mm_oval_cache_box["cache"] = cache
+    try:
+        with torch.no_grad():
+            model(**inputs, cache=cache, use_cache=True)
+    finally:
+        model._mm_oval_cache_box["cache"] = None
+    return cache
+
+
+def _state(model: Any) -> WrapState:
+    state = getattr(model, "_mm_oval", None)
+    if state is None:
+        raise ConfigError("this model is not wrapped: call mm_oval.wrap(model, ...) first")
+    return state
+
+
+def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
+    """Wrap a LLaVA-style model in place and return it. `overrides` are OvalConfig fields
+    (e.g. `method="snapkv", budget=0.25`). Wrapping a wrapped model replaces its configuration."""
+    lm = _language_model(model)
+    if config is not None and not isinstance(config, OvalConfig):
+        raise ConfigError(f"config must be an OvalConfig, got {type(config).__name__}")
+    config = (config or OvalConfig()).replace(**overrides) if overrides else (config or OvalConfig())
+    eviction = make_eviction(config.method, **config.method_options) if config.method != "full" else None
+    retrieval = make_retrieval(config.retrieval, **config.retrieval_options) if config.retrieval else None
+    if getattr(model, "_mm_oval", None) is not None:
+        unwrap(model)
+    inner = lm.config._attn_implementation or "eager"
+    if inner.startswith(PREFIX):
+        inner = inner[len(PREFIX) :]
+    state = WrapState(config, inner, eviction, retrieval, tokens_per_image=_tokens_per_image(model))
+    lm.config._attn_implementation = _register(inner)
+    model._mm_oval = state
+    model._mm_oval_cache_box = {"cache": None}
+    model._mm_oval_generate = model.generate
+    model.generate = types.MethodType(_generate, model)
+    state.hooks = [
+        model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
+        model.register_forward_hook(_post_forward, with_kwargs=True),
+    ]
+    norm = getattr(lm, "norm", None)
+    if norm is not None:
+        state.hooks.append(
+            norm.register_forward_hook(functools.partial(_norm_hook, model._mm_oval_cache_box))
+        )
+    logger.info("wrapped %s: %s", type(model).__name__, config)
+    return model
+
+
+def unwrap(model: Any) -> Any:
+    """Undo `wrap`: the plain model again (in place; returned for convenience)."""
+    state = getattr(model, "_mm_oval", None)
+    if state is None:
+        return model
+    lm = _language_model(model)
+    lm.config._attn_implementation = state.inner_attn
+    for h in state.hooks:
+        h.remove()
+    del model.generate  # the instance attribute; the class's generate shows again
+    for attr in ("_mm_oval", "_mm_oval_cache_box", "_mm_oval_generate"):
+        delattr(model, attr)
+    return model
