@@ -237,6 +237,7 @@ class PagedLayer(CacheLayerMixin):
         self.slot_pos = torch.where(ok, exp(info.positions).gather(-1, src), -1)
         self.slot_mod = torch.where(ok, exp(info.modality.long()).gather(-1, src), PAD).to(torch.int8)
         self.slot_page = lay.slot_page
+        self.slot_src = lay.src  # prompt index of each slot, -1 for empty and generated slots
         rc = info.image_rc.unsqueeze(1).expand(B, H, N, 3).gather(2, src.unsqueeze(-1).expand(*src.shape, 3))
         self.slot_rc = torch.where(ok.unsqueeze(-1), rc, -1)
         self.prompt_slots = self.keys.shape[2]
@@ -253,7 +254,9 @@ class PagedLayer(CacheLayerMixin):
         self._record_prefill_stats(valid, info)
 
     def _summarize(self, first: int, stop: int) -> None:
-        k, v, mask = gather_pages(self.keys, self.values, self.page_start, self.page_len, slice(first, stop))
+        k, v, mask, src = gather_pages(
+            self.keys, self.values, self.page_start, self.page_len, slice(first, stop), self.slot_src
+        )
         batch = PageBatch(
             layer_idx=self.layer_idx,
             keys=k,
@@ -262,6 +265,8 @@ class PagedLayer(CacheLayerMixin):
             kind=self.page_kind[..., first:stop],
             first_page=first,
             module=self.module,
+            token_index=src,
+            extra=self.owner.extra,
         )
         new = self.owner.retrieval.summarize(batch)
         for name, t in new.items():
@@ -303,6 +308,9 @@ class PagedLayer(CacheLayerMixin):
         t = self.n_decode + torch.arange(q, device=dev)
         page = (self.prompt_pages + t // S).view(1, 1, q).expand(B, H, q)
         self.slot_page = torch.cat([self.slot_page, page], -1)
+        self.slot_src = torch.cat(
+            [self.slot_src, torch.full((B, H, q), -1, dtype=torch.long, device=dev)], -1
+        )
         closed_before = self.n_decode // S
         self.n_decode += q
         self.logical_len += q

@@ -103,8 +103,10 @@ def gather_pages(
     page_start: torch.Tensor,
     page_len: torch.Tensor,
     pages: slice,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad the pages `pages` of every (b, h) into (B, Hkv, P, T, D) keys/values and a (B, Hkv, P, T) mask."""
+    slot_src: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pad the pages `pages` of every (b, h) into (B, Hkv, P, T, D) keys/values, a (B, Hkv, P, T) mask and,
+    when `slot_src` (B, Hkv, L) is given, the prompt index of each page token (-1 past a page's length)."""
     start = page_start[..., pages]
     length = page_len[..., pages]
     T = max(int(length.max()) if length.numel() else 0, 1)
@@ -117,4 +119,7 @@ def gather_pages(
     flat = idx.reshape(B, H, P * T, 1).expand(B, H, P * T, D)
     k = keys.gather(2, flat).reshape(B, H, P, T, D) * mask.unsqueeze(-1)
     v = values.gather(2, flat).reshape(B, H, P, T, D) * mask.unsqueeze(-1)
-    return k, v, mask
+    src = None
+    if slot_src is not None:
+        src = slot_src.gather(2, idx.reshape(B, H, P * T)).reshape(B, H, P, T).masked_fill(~mask, -1)
+    return k, v, mask, src

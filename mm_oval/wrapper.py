@@ -132,6 +132,7 @@ def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
     cache = _cache_from_kwargs(kwargs)
     if not isinstance(cache, PagedMultimodalCache):
         return
+    model._mm_oval_cache_box["cache"] = cache  # for the hooks inside this forward
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if cache.get_seq_length() == 0:
         if input_ids is None:
@@ -153,6 +154,7 @@ def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
 
 def _post_forward(model: Any, args: tuple, kwargs: dict, output: Any) -> None:
     cache = _cache_from_kwargs(kwargs)
+    model._mm_oval_cache_box["cache"] = None
     if not isinstance(cache, PagedMultimodalCache) or getattr(cache, "_t0", None) is None:
         return
     _sync(getattr(output, "logits", None))
@@ -178,6 +180,18 @@ def _norm_hook(cache_box: dict, module: Any, args: tuple, output: Any) -> None:
         cache.step_extra["last_hidden"] = output[:, -1].detach()
 
 
+def _lm_pre_hook(cache_box: dict, module: Any, args: tuple, kwargs: dict) -> None:
+    cache = cache_box.get("cache")
+    embeds = kwargs.get("inputs_embeds")
+    if (
+        cache is not None
+        and cache.retrieval is not None
+        and embeds is not None
+        and cache.get_seq_length() == 0
+    ):
+        cache.extra["inputs_embeds"] = embeds.detach()
+
+
 def new_cache(model: Any) -> PagedMultimodalCache:
     """A fresh cache for one request through the wrapped `model`."""
     state: WrapState = _state(model)
@@ -195,11 +209,9 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError("a wrapped model generates with mm-oval's cache: do not pass another cache")
     kwargs.pop("past_key_values", None)
     kwargs["cache"] = cache
-    model._mm_oval_cache_box["cache"] = cache
     try:
         return model._mm_oval_generate(*args, **kwargs)
     finally:
-        model._mm_oval_cache_box["cache"] = None
         if cache.info is not None:
             state.last_stats = cache_stats(cache)
 
@@ -209,12 +221,8 @@ def prefill(model: Any, **inputs: Any) -> PagedMultimodalCache:
     several questions: `model.generate(input_ids=prompt+question, attention_mask=..., cache=cache.copy())`
     (the question is not part of the compressed prefill; pass no pixel_values again)."""
     cache = new_cache(model)
-    model._mm_oval_cache_box["cache"] = cache
-    try:
-        with torch.no_grad():
-            model(**inputs, cache=cache, use_cache=True)
-    finally:
-        model._mm_oval_cache_box["cache"] = None
+    with torch.no_grad():
+        model(**inputs, cache=cache, use_cache=True)
     return cache
 
 
@@ -249,6 +257,11 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
         model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
         model.register_forward_hook(_post_forward, with_kwargs=True),
     ]
+    state.hooks.append(
+        lm.register_forward_pre_hook(
+            functools.partial(_lm_pre_hook, model._mm_oval_cache_box), with_kwargs=True
+        )
+    )
     norm = getattr(lm, "norm", None)
     if norm is not None:
         state.hooks.append(

@@ -81,6 +81,10 @@ class PageBatch:
     kind: torch.Tensor  # (B, Hkv, P) int8: TEXT, IMAGE or PAD (an empty page slot of a shorter head)
     first_page: int
     module: Any = None  # the layer's attention module (o_proj, num_key_value_groups, head_dim)
+    token_index: torch.Tensor | None = None  # (B, Hkv, P, T) long: prompt index of each token, -1 past a
+    # page's length and for generated tokens
+    extra: dict = field(default_factory=dict)  # the request's dict; "inputs_embeds" (B, N, hidden) of the
+    # prompt when a retrieval policy is configured
 
     @property
     def lengths(self) -> torch.Tensor:  # (B, Hkv, P) long
