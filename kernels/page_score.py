@@ -191,7 +191,8 @@ def _combine_gqa_kernel(
         mask = g_mask[:, None] & p_mask[None, :]
         r = tl.load(base + offs_g[:, None] * P + offs_p[None, :], mask=mask, other=float("-inf"))
         prob = tl.sum(tl.exp(r - m_safe[:, None]) * inv_z[:, None], 0) / G
-        tl.store(OUT + pid * P + offs_p, tl.log(prob), mask=p_mask)
+        logp = tl.where(prob > 0, tl.log(tl.where(prob > 0, prob, 1.0)), float("-inf"))
+        tl.store(OUT + pid * P + offs_p, logp, mask=p_mask)
 
 
 def _combine(raw: torch.Tensor, B: int, Hkv: int, G: int, P: int) -> torch.Tensor:

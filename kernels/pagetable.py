@@ -57,6 +57,9 @@ def _selected_runs(
     page_start: torch.Tensor, page_len: torch.Tensor, page_idx: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     idx = page_idx.long()
+    if page_start.shape[-1] == 0:  # no pages at all: every entry selects nothing
+        zero = torch.zeros_like(idx)
+        return zero, zero
     ok = (idx >= 0) & (idx < page_start.shape[-1])
     safe = torch.where(ok, idx, torch.zeros_like(idx))
     start = torch.gather(page_start.long(), -1, safe)

@@ -83,9 +83,8 @@ def _sparse_decode_kernel(
         page = tl.load(idx_base + s)
         has_page = page >= 0
         page = tl.where(has_page, page, 0)
-        start = tl.load(PS + pt_base + page)
-        length = tl.load(PL + pt_base + page)
-        length = tl.where(has_page, length, 0)
+        start = tl.load(PS + pt_base + page, mask=has_page, other=0)
+        length = tl.load(PL + pt_base + page, mask=has_page, other=0)
         for n0 in range(0, length, BLOCK_N):
             n_mask = (n0 + offs_n) < length
             rows = start + n0 + offs_n
