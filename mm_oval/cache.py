@@ -76,6 +76,10 @@ def request_info(
     sink_tokens: int,
     recent_tokens: int,
 ) -> RequestInfo:
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ConfigError(
+            "mm-oval reads padding from a 2-D attention_mask (batch, tokens); a prepared 4-D mask is not supported"
+        )
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     is_img = (input_ids == image_token_id) & valid
     modality = torch.full_like(input_ids, TEXT, dtype=torch.int8)

@@ -207,6 +207,11 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
         cache = new_cache(model)
     elif not isinstance(cache, PagedMultimodalCache):
         raise ConfigError("a wrapped model generates with mm-oval's cache: do not pass another cache")
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(input_ids, torch.Tensor) and cache.get_seq_length() == 0:
+        _check_images(
+            input_ids, kwargs.get("pixel_values"), model.config.image_token_id, state.tokens_per_image
+        )
     kwargs.pop("past_key_values", None)
     kwargs["cache"] = cache
     try:
