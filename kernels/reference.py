@@ -43,13 +43,20 @@ def sparse_paged_decode_ref(
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
     mask = selected_token_mask(page_start, page_len, page_idx, N)  # (B, Hkv, N)
+    # read only the selected tokens: their indices first (stable), padded to the longest selection
+    count = mask.sum(-1)  # (B, Hkv)
+    width = int(count.max()) if count.numel() else 0
+    rows = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :width]  # (B, Hkv, width)
+    valid = torch.arange(width, device=q.device) < count[..., None]
+    gather = rows[..., None].expand(B, Hkv, width, D)
+    k_sel = torch.gather(k_cache, 2, gather).float()
+    v_sel = torch.gather(v_cache, 2, gather).float()
     qf = q.float().view(B, Hkv, G, D)
-    s = torch.einsum("bhgd,bhnd->bhgn", qf, k_cache.float()) * scale
-    s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
+    s = torch.einsum("bhgd,bhnd->bhgn", qf, k_sel) * scale
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G); -inf where nothing is read
     p = torch.exp(s - lse[..., None].clamp_min(torch.finfo(torch.float32).min))
-    p = torch.nan_to_num(p, nan=0.0)
-    out = torch.einsum("bhgn,bhnd->bhgd", p, v_cache.float())
+    out = torch.einsum("bhgn,bhnd->bhgd", p, v_sel)
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 

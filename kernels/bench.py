@@ -1,0 +1,318 @@
+"""Decode-attention benchmark: the sparse paged decode kernel against dense decode over the whole cache.
+
+    python -m mm_oval.kernels.bench                 # CUDA: LLaVA-1.5-7B shapes; CPU: references, small
+    python -m mm_oval.kernels.bench --json out.json  # also write the rows
+
+On CUDA it times, in one run, at LLaVA-1.5-7B's attention shape (32 query = 32 KV heads, head dim 128,
+fp16), contexts 1k/4k/16k/32k, batch 1 and 16, reading a fraction 1/16 .. 1 of the pages (16-token
+pages, a random choice per head that always includes the open page):
+- the Triton sparse paged decode kernel (mm_oval.kernels.sparse_paged_decode);
+- dense decode with torch SDPA over the full cache (the baseline the sparse read must beat);
+- flash-attn's flash_attn_with_kvcache over the full cache, when flash-attn is installed.
+Each row: median time (triton.testing.do_bench, L2 flushed between runs), the bytes that call must read
+(K and V of the tokens read, the page table entries, q and out), GB/s and the fraction of the H200's
+4.8 TB/s, and the time relative to dense SDPA and to the same kernel reading every page.
+A second table times page scoring, top-k selection, KVP scoring and compaction at the same shapes.
+
+On CPU there is no Triton kernel to time (the interpreter measures Python): it times the PyTorch
+references at small shapes in fp32, says so, and leaves the H200 column empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+H200_BYTES_PER_S = 4.8e12
+
+
+@dataclass
+class Row:
+    table: str
+    impl: str
+    batch: int
+    context: int
+    fraction: float
+    time_us: float
+    bytes_read: int
+    gbps: float
+    of_h200: float | None
+    vs_dense: float | None = None
+    vs_all_pages: float | None = None
+
+
+def _time_cuda(fn: Callable[[], object], reps: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")) * 1e-3
+
+
+def _time_cpu(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(max(3, reps // 20)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _row(table, impl, b, n, f, seconds, nbytes, cuda) -> Row:
+    gbps = nbytes / seconds / 1e9
+    return Row(
+        table,
+        impl,
+        b,
+        n,
+        f,
+        seconds * 1e6,
+        int(nbytes),
+        gbps,
+        (nbytes / seconds) / H200_BYTES_PER_S if cuda else None,
+    )
+
+
+def random_selection(B, H, num_pages, fraction, device, generator) -> torch.Tensor:
+    """(B, H, S) distinct page indices per head: the open (last) page plus random others."""
+    S = max(1, round(num_pages * fraction))
+    keys = torch.rand(B, H, num_pages - 1, generator=generator).argsort(-1)[..., : S - 1]
+    last = torch.full((B, H, 1), num_pages - 1, dtype=keys.dtype)
+    return torch.cat([keys, last], -1).to(torch.int32).to(device)
+
+
+def bench_decode(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    from mm_oval import kernels as K
+
+    cuda = device.type == "cuda"
+    timer = _time_cuda if cuda else _time_cpu
+    H, Hkv, D, ps = args.heads, args.kv_heads, args.head_dim, args.page_size
+    esize = torch.finfo(dtype).bits // 8
+    g = torch.Generator().manual_seed(0)
+    try:
+        from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
+    except ImportError:
+        flash_attn_with_kvcache = None
+    rows: list[Row] = []
+    for B in args.batches:
+        for N in args.contexts:
+            q = torch.randn(B, H, D, generator=g).to(device, dtype)
+            k = torch.randn(B, Hkv, N, D, dtype=dtype, device=device)
+            v = torch.randn(B, Hkv, N, D, dtype=dtype, device=device)
+            start, length = K.paginate(torch.full((B, Hkv), N, device=device), ps)
+            P = start.shape[-1]
+            qkv_bytes = 2 * B * H * D * esize  # q in, out back
+            # dense baselines
+            G = H // Hkv
+            q4 = q[:, :, None, :]
+
+            def sdpa(q4=q4, k=k, v=v, G=G):
+                return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=G > 1)
+
+            dense_bytes = 2 * B * Hkv * N * D * esize + qkv_bytes
+            t_dense = timer(sdpa, args.reps)
+            dense = _row("decode", "dense SDPA", B, N, 1.0, t_dense, dense_bytes, cuda)
+            dense.vs_dense = 1.0
+            rows.append(dense)
+            if flash_attn_with_kvcache is not None and cuda:
+                kf, vf = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+                qf = q[:, None]
+                seqlens = torch.full((B,), N, dtype=torch.int32, device=device)
+
+                def flash(qf=qf, kf=kf, vf=vf, seqlens=seqlens):
+                    return flash_attn_with_kvcache(qf, kf, vf, cache_seqlens=seqlens)
+
+                t = timer(flash, args.reps)
+                r = _row("decode", "flash-attn kvcache", B, N, 1.0, t, dense_bytes, cuda)
+                r.vs_dense = t / t_dense
+                rows.append(r)
+                del kf, vf
+            t_all = None
+            for f in sorted(args.fractions, reverse=True):
+                idx = random_selection(B, Hkv, P, f, device, g)
+                tokens = int(K.selected_token_count(length, idx).sum())
+                table_bytes = idx.numel() * 4 + 2 * 4 * (idx >= 0).sum().item()
+                nbytes = 2 * tokens * D * esize + table_bytes + qkv_bytes
+
+                def sparse(q=q, k=k, v=v, start=start, length=length, idx=idx):
+                    return K.sparse_paged_decode(q, k, v, start, length, idx)
+
+                t = timer(sparse, args.reps)
+                t_all = t if t_all is None else t_all
+                r = _row(
+                    "decode",
+                    "sparse paged (triton)" if cuda else "sparse paged (torch ref)",
+                    B,
+                    N,
+                    f,
+                    t,
+                    nbytes,
+                    cuda,
+                )
+                r.vs_dense, r.vs_all_pages = t / t_dense, t / t_all
+                rows.append(r)
+            del k, v
+            if cuda:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def bench_others(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """Page scoring, selection, KVP scoring and compaction at the decode shapes (one fraction)."""
+    from mm_oval import kernels as K
+
+    cuda = device.type == "cuda"
+    timer = _time_cuda if cuda else _time_cpu
+    H, Hkv, D, ps, R = args.heads, args.kv_heads, args.head_dim, args.page_size, 8
+    esize = torch.finfo(dtype).bits // 8
+    f = 1 / 8
+    rows = []
+    for B in args.batches:
+        for N in args.other_contexts:
+            P = N // ps
+            q = torch.randn(B, H, D, device=device, dtype=dtype)
+            mu = torch.randn(B, Hkv, P, D, device=device, dtype=dtype)
+            basis = torch.randn(B, Hkv, P, D, R, device=device, dtype=dtype)
+            coef = torch.randn(B, Hkv, P, ps, R, device=device, dtype=dtype)
+            plen = torch.full((B, Hkv, P), ps, dtype=torch.int32, device=device)
+            n = (mu.numel() + basis.numel() + coef.numel()) * esize + plen.numel() * 4
+            t = timer(partial(K.page_score_lowrank, q, mu, basis, coef, plen), args.reps)
+            rows.append(_row("pages", f"page score LOCKS/OVAL r={R}", B, N, f, t, n, cuda))
+            kmax = mu + 1
+            n = 2 * mu.numel() * esize + plen.numel() * 4
+            t = timer(partial(K.page_score_quest, q, mu, kmax, plen), args.reps)
+            rows.append(_row("pages", "page score Quest", B, N, f, t, n, cuda))
+            scores = torch.randn(B, Hkv, P, device=device)
+            keep = torch.tensor([0, P - 1], dtype=torch.int32, device=device).expand(B, Hkv, 2).contiguous()
+            kk = max(2, round(P * f))
+            t = timer(partial(K.select_pages, scores, kk, keep), args.reps)
+            rows.append(
+                _row(
+                    "pages",
+                    f"select top-{kk} of {P}",
+                    B,
+                    N,
+                    f,
+                    t,
+                    scores.numel() * 4 + B * Hkv * kk * 4,
+                    cuda,
+                )
+            )
+            del mu, basis, coef, kmax
+            k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
+            v = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
+            keep_n = N // 4
+            index = (
+                torch.rand(B, Hkv, N, device=device).argsort(-1)[..., :keep_n].sort(-1).values.to(torch.int32)
+            )
+            n = (
+                4 * B * Hkv * keep_n * D * esize + index.numel() * 4
+            )  # read and write K and V of the kept tokens
+            t = timer(partial(K.compact_kv, k, v, index), args.reps)
+            rows.append(_row("pages", "compact 1/4 of the tokens", B, N, 0.25, t, n, cuda))
+            if B == 1:  # prefill scoring, once per layer and request
+                w = K.KVPWeights.random(Hkv, D, device=device)
+                pos = torch.arange(N, device=device)[None].expand(B, N).contiguous()
+                n = 2 * k.numel() * esize
+                t = timer(partial(K.kvp_score, k, v, pos, w), args.reps)
+                rows.append(_row("pages", "KVP agents (E=F=256) all heads", B, N, 1.0, t, n, cuda))
+            del k, v
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[Row], title: str, out=sys.stdout) -> None:
+    print(f"\n{title}", file=out)
+    head = f"{'impl':<34} {'batch':>5} {'context':>7} {'read':>6} {'time us':>10} {'MB read':>9} {'GB/s':>8} {'of 4.8TB/s':>10} {'vs dense':>8} {'vs all pages':>12}"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for r in rows:
+        frac = "1" if r.fraction == 1 else f"1/{round(1 / r.fraction)}"
+        print(
+            f"{r.impl:<34} {r.batch:>5} {r.context:>7} {frac:>6} {r.time_us:>10.1f} {r.bytes_read / 1e6:>9.2f} "
+            f"{r.gbps:>8.1f} {_fmt(r.of_h200, '>10.1%')} {_fmt(r.vs_dense, '>8.3f')} {_fmt(r.vs_all_pages, '>12.3f')}",
+            file=out,
+        )
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(payload, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None)
+    ap.add_argument("--other-contexts", type=int, nargs="+", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=100, help="CUDA: ms of timed runs per row; CPU: 20 x runs")
+    ap.add_argument("--skip-others", action="store_true", help="only the decode table")
+    ap.add_argument("--json", type=Path, default=None, help="write every row here too")
+    args = ap.parse_args(argv)
+
+    use_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    device = torch.device("cuda" if use_cuda else "cpu")
+    if use_cuda:
+        dtype = torch.float16
+        args.contexts = args.contexts or [1024, 4096, 16384, 32768]
+        args.other_contexts = args.other_contexts or [4096, 32768]
+        args.batches = args.batches or [1, 16]
+        note = f"CUDA ({torch.cuda.get_device_name(device)}): Triton kernels, fp16"
+    else:
+        dtype = torch.float32
+        args.contexts = args.contexts or [1024, 4096]
+        args.other_contexts = args.other_contexts or [1024]
+        args.batches = args.batches or [1]
+        note = (
+            "CPU: no GPU here, so this times the PyTorch REFERENCES (fp32, small shapes), not the Triton kernels; "
+            "the H200 column is left empty"
+        )
+    print(f"mm-oval kernel benchmark - {note}")
+    print(
+        f"heads {args.heads} (KV {args.kv_heads}), head dim {args.head_dim}, pages of {args.page_size} tokens, "
+        f"torch {torch.__version__}"
+    )
+    rows = bench_decode(args, device, dtype)
+    print_table(
+        rows, "Decode attention, one token per sequence (time: median; read = fraction of pages read)"
+    )
+    others = [] if args.skip_others else bench_others(args, device, dtype)
+    if others:
+        print_table(others, "Page scoring, selection (1/8 of pages), compaction, KVP scoring")
+    if args.json:
+        _write_json(
+            args.json,
+            {
+                "note": note,
+                "args": {k: v for k, v in vars(args).items() if k != "json"},
+                "rows": [asdict(r) for r in rows + others],
+            },
+        )
+        print(f"\nrows written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
