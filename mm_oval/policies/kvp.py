@@ -128,15 +128,17 @@ def _probe_matches(a: list[float], b: list[float]) -> bool:
 
 @dataclass
 class KVPAgentConfig:
-    """Shape of the agents. The paper's reference: hidden 256, position table 6000 x 32, no extra features."""
+    """Shape of the agents. The paper's reference: proj 256, position table 6000 x 32, hidden 256, no
+    extra features. Field names of the weights follow docs/kernels.md (`KVPWeights`)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    hidden: int = 64
-    pos_table: int = 1024
-    pos_dim: int = 16
-    extra_dim: int = 16
+    proj: int = 64  # E: key / value projection width
+    pos_table: int = 1024  # rows of the absolute position table (positions are clamped)
+    pos_dim: int = 16  # Ep
+    hidden: int = 64  # F: hidden width of the MLP
+    extra_dim: int = 16  # Ex: width of the projected extra features
     extra_features: tuple[str, ...] = EXTRA_FEATURES
     shared: bool = False  # one agent for every (layer, head) instead of one each (ablation)
     grid_side: int = 0  # image patch grid side (e.g. 8 for 64 image tokens); 0 = infer per prompt
@@ -148,7 +150,7 @@ class KVPAgentConfig:
         unknown = set(self.extra_features) - set(EXTRA_FEATURES)
         if unknown:
             raise ConfigError(f"unknown KVP features {sorted(unknown)}; choose from {list(EXTRA_FEATURES)}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden", "pos_table", "pos_dim"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "proj", "hidden", "pos_table", "pos_dim"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"KVP agent config: {name} must be positive, got {getattr(self, name)}")
 
@@ -210,52 +212,53 @@ def extra_features(
 
 
 def _ln(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-agent LayerNorm: x (A, M, H), g/b (A, H)."""
-    return F.layer_norm(x, x.shape[-1:]) * g[:, None, :] + b[:, None, :]
+    """Per-agent LayerNorm (eps 1e-5): x (A, M, C), g/b (A, C)."""
+    return F.layer_norm(x, x.shape[-1:], eps=1e-5) * g[:, None, :] + b[:, None, :]
 
 
 class KVPAgents(nn.Module):
     """Every agent of a model, weights stacked on a leading axis of size `num_weight_sets`
-    (num_layers * num_kv_heads, or 1 when `shared`). Per agent:
+    (num_layers * num_kv_heads, agent = layer * num_kv_heads + head; or 1 when `shared`). Per agent,
+    with the parameter names of docs/kernels.md:
 
-        hk = LN(k @ Wk + bk)        hv = LN(v @ Wv + bv)        hp = LN(pos_table[clamp(p)])
-        he = LN(extra @ We + be)    (only when extra features are on)
-        h1 = SiLU(LN([hk, hv, hp, he] @ W1 + b1));  h2 = SiLU(LN(h1 @ W2 + b2));  score = h2 @ w3 + b3
-    """
+        ek = LN_k(k @ wk + bk)     ev = LN_v(v @ wv + bv)     ep = LN_p(pos_emb[clamp(p)])
+        z  = concat(ek, ev, ep) @ w1 + b1  [+ LN_e(x @ we + be) @ w1x  when extra features are on]
+        score = silu(LN_1(z)) . w2 + b2
+
+    Without extra features this is exactly the paper's agent and the kernels' `kvp_score` layout
+    (`layer_weights`); the extra term adds the modality / 2-D grid / relative-position features."""
 
     def __init__(self, config: KVPAgentConfig):
         super().__init__()
         self.config = config
         c = config
-        S, D, H = c.num_weight_sets, c.head_dim, c.hidden
-        E = c.extra_width
-        self.use_extra = E > 0
+        S, D, E, Ep, Fh = c.num_weight_sets, c.head_dim, c.proj, c.pos_dim, c.hidden
+        X = c.extra_width
+        self.use_extra = X > 0
 
         def lin(i: int, o: int) -> tuple[nn.Parameter, nn.Parameter]:
-            w = torch.empty(S, i, o)
-            for s in range(S):
-                nn.init.kaiming_uniform_(w[s].T, a=math.sqrt(5))  # as nn.Linear
-            return nn.Parameter(w), nn.Parameter(torch.zeros(S, o))
+            bound = 1.0 / math.sqrt(i)  # nn.Linear's default init
+            return nn.Parameter(torch.empty(S, i, o).uniform_(-bound, bound)), nn.Parameter(torch.zeros(S, o))
 
         def norm(o: int) -> tuple[nn.Parameter, nn.Parameter]:
             return nn.Parameter(torch.ones(S, o)), nn.Parameter(torch.zeros(S, o))
 
-        self.wk, self.bk = lin(D, H)
-        self.gk, self.nk = norm(H)
-        self.wv, self.bv = lin(D, H)
-        self.gv, self.nv = norm(H)
-        self.pos_table = nn.Parameter(torch.randn(S, c.pos_table, c.pos_dim) * 0.02)
-        self.gp, self.np_ = norm(c.pos_dim)
-        in1 = 2 * H + c.pos_dim
+        self.wk, self.bk = lin(D, E)
+        self.lnk_w, self.lnk_b = norm(E)
+        self.wv, self.bv = lin(D, E)
+        self.lnv_w, self.lnv_b = norm(E)
+        self.pos_emb = nn.Parameter(torch.randn(S, c.pos_table, Ep))
+        self.lnp_w, self.lnp_b = norm(Ep)
+        self.w1, self.b1 = lin(2 * E + Ep, Fh)
         if self.use_extra:
-            self.we, self.be = lin(E, c.extra_dim)
-            self.ge, self.ne = norm(c.extra_dim)
-            in1 += c.extra_dim
-        self.w1, self.b1 = lin(in1, H)
-        self.g1, self.n1 = norm(H)
-        self.w2, self.b2 = lin(H, H)
-        self.g2, self.n2 = norm(H)
-        self.w3, self.b3 = lin(H, 1)
+            self.we, self.be = lin(X, c.extra_dim)
+            self.lne_w, self.lne_b = norm(c.extra_dim)
+            self.w1x = nn.Parameter(
+                torch.empty(S, c.extra_dim, Fh).uniform_(-(c.extra_dim**-0.5), c.extra_dim**-0.5)
+            )
+        self.ln1_w, self.ln1_b = norm(Fh)
+        self.w2 = nn.Parameter(torch.empty(S, Fh).uniform_(-(Fh**-0.5), Fh**-0.5))
+        self.b2 = nn.Parameter(torch.zeros(S))
 
     def weight_index(self, agents: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(agents) if self.config.shared else agents
@@ -268,30 +271,42 @@ class KVPAgents(nn.Module):
         positions: torch.Tensor,
         extra: torch.Tensor | None,
     ) -> torch.Tensor:
-        """agents (A,) long agent ids; keys/values (A, M, D); positions (A, M) or (M,) long; extra (M, E)
-        or (A, M, E) or None -> scores (A, M) float32."""
+        """agents (A,) long agent ids; keys/values (A, M, D); positions (A, M) or (M,) long; extra (M, X)
+        or (A, M, X) or None -> scores (A, M) float32."""
         w = self.weight_index(agents)
         A, M, _ = keys.shape
         dt = self.wk.dtype
-        hk = _ln(torch.baddbmm(self.bk[w][:, None], keys.to(dt), self.wk[w]), self.gk[w], self.nk[w])
-        hv = _ln(torch.baddbmm(self.bv[w][:, None], values.to(dt), self.wv[w]), self.gv[w], self.nv[w])
-        p = positions.clamp(0, self.config.pos_table - 1)
+        ek = _ln(torch.baddbmm(self.bk[w][:, None], keys.to(dt), self.wk[w]), self.lnk_w[w], self.lnk_b[w])
+        ev = _ln(torch.baddbmm(self.bv[w][:, None], values.to(dt), self.wv[w]), self.lnv_w[w], self.lnv_b[w])
+        p = positions.long().clamp(0, self.config.pos_table - 1)
         if p.dim() == 1:
             p = p[None].expand(A, M)
-        table = self.pos_table[w]  # (A, P, pd)
-        hp = torch.gather(table, 1, p[..., None].expand(A, M, table.shape[-1]))
-        hp = _ln(hp, self.gp[w], self.np_[w])
-        parts = [hk, hv, hp]
+        table = self.pos_emb[w]  # (A, P, Ep)
+        ep = torch.gather(table, 1, p[..., None].expand(A, M, table.shape[-1]))
+        ep = _ln(ep, self.lnp_w[w], self.lnp_b[w])
+        z = torch.baddbmm(self.b1[w][:, None], torch.cat([ek, ev, ep], dim=-1), self.w1[w])
         if self.use_extra:
             assert extra is not None
             if extra.dim() == 2:
                 extra = extra[None].expand(A, M, extra.shape[-1])
-            he = _ln(torch.baddbmm(self.be[w][:, None], extra.to(dt), self.we[w]), self.ge[w], self.ne[w])
-            parts.append(he)
-        x = torch.cat(parts, dim=-1)
-        x = F.silu(_ln(torch.baddbmm(self.b1[w][:, None], x, self.w1[w]), self.g1[w], self.n1[w]))
-        x = F.silu(_ln(torch.baddbmm(self.b2[w][:, None], x, self.w2[w]), self.g2[w], self.n2[w]))
-        return torch.baddbmm(self.b3[w][:, None], x, self.w3[w]).squeeze(-1).float()
+            ex = _ln(
+                torch.baddbmm(self.be[w][:, None], extra.to(dt), self.we[w]), self.lne_w[w], self.lne_b[w]
+            )
+            z = z + torch.bmm(ex, self.w1x[w])
+        h = F.silu(_ln(z, self.ln1_w[w], self.ln1_b[w]))
+        return (torch.bmm(h, self.w2[w][..., None]).squeeze(-1) + self.b2[w][:, None]).float()
+
+    def layer_weights(self, layer_idx: int) -> Any:
+        """The agents of one layer as the kernels' `KVPWeights` (agents without extra features only)."""
+        if self.use_extra:
+            raise ConfigError("agents with extra features have no kernel layout; score them with score_layer")
+        from ..kernels.reference import KVPWeights
+
+        H = self.config.num_kv_heads
+        idx = self.weight_index(torch.arange(H) + layer_idx * H)
+        names = ["wk", "bk", "lnk_w", "lnk_b", "wv", "bv", "lnv_w", "lnv_b", "pos_emb", "lnp_w", "lnp_b"]
+        names += ["w1", "b1", "ln1_w", "ln1_b", "w2", "b2"]
+        return KVPWeights(**{n: getattr(self, n).detach()[idx].contiguous() for n in names})
 
     def score_layer(
         self,

@@ -425,11 +425,13 @@ def _evicted_share(
 
 
 def _evicted_shared(
-    scores: torch.Tensor, u: torch.Tensor, valid: torch.Tensor, frac: float
+    scores: torch.Tensor, u: torch.Tensor, valid: torch.Tensor, frac: float, normalise: bool = True
 ) -> tuple[float, float]:
-    """One ranking over all heads of the layer (per-head log-softmax normalised), same total budget."""
+    """One ranking over all heads of the layer (per-head log-softmax normalised unless the scores are
+    already on one scale), the same total budget as `frac` per head."""
     s = scores.masked_fill(~valid, float("-inf"))
-    s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+    if normalise:
+        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
     s, uu = s[valid], u[valid]
     keep = math.ceil(frac * int(valid.sum()))
     order = torch.argsort(s, descending=True)
@@ -437,7 +439,12 @@ def _evicted_shared(
 
 
 def heldout_cost(
-    scorer: Scorer, traces: list[dict], sinks: int, recent: int, budgets: tuple[float, ...] = (0.1, 0.25, 0.5)
+    scorer: Scorer,
+    traces: list[dict],
+    sinks: int,
+    recent: int,
+    budgets: tuple[float, ...] = (0.1, 0.25, 0.5),
+    shared_normalise: bool = True,
 ) -> HeldoutCost:
     costs, costs_img = [], []
     ev = {b: [0.0, 0.0] for b in budgets}
@@ -464,7 +471,7 @@ def heldout_cost(
                     e, tot = _evicted_share(s, u, mask[None].expand(Hkv, n), b)
                     acc[b][0] += e
                     acc[b][1] += tot
-                e, tot = _evicted_shared(s, u, elig[None].expand(Hkv, n), b)
+                e, tot = _evicted_shared(s, u, elig[None].expand(Hkv, n), b, shared_normalise)
                 ev_sh[b][0] += e
                 ev_sh[b][1] += tot
 

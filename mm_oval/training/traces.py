@@ -55,6 +55,8 @@ class TraceSample:
     images: list[Any]
     question: str
     answer: str
+    # later turns about the same image (question, answer): their tokens read the cache after eviction too
+    followups: list[tuple[str, str]] = field(default_factory=list)
 
 
 def toy_samples(n: int, seed: int = 0, image_size: int = 128) -> list[TraceSample]:
@@ -161,34 +163,31 @@ def jsonl_samples(path: Path) -> list[TraceSample]:
     return out
 
 
-def zoo_samples(split: str, n: int, seed: int) -> list[TraceSample]:
-    """Samples from the bundled tiny LLaVA's scene generator (mm_oval.zoo.generate)."""
-    try:
-        from ..zoo import generate
-    except ImportError as e:
-        raise DataError(
-            "the bundled data generator (mm_oval.zoo.generate) is not available in this install"
-        ) from e
-    make = getattr(generate, "kvp_samples", None) or getattr(generate, "training_samples", None)
-    if make is None:
-        raise DataError("mm_oval.zoo.generate offers no sample iterator usable for KVP traces")
+ZOO_HELDOUT_SEED_OFFSET = 1_000
+
+
+def zoo_samples(split: str, n: int, seed: int, followups: int = 0) -> list[TraceSample]:
+    """Samples from the bundled tiny LLaVA's scene generator (its train split, drawn on the fly), with the
+    evaluation prompts (VQA or MMBench style) and `followups` later questions about the same scene.
+    `split="heldout"` draws from another seed, for held-out traces that share no scene with `train` (the dev
+    sets are kept for evaluation)."""
+    from ..zoo.generate import TrainSampler
+
+    if split not in ("train", "heldout"):
+        raise DataError(f"zoo split {split!r}: use zoo:train[:N] or zoo:heldout[:N]")
+    sampler = TrainSampler(seed + (ZOO_HELDOUT_SEED_OFFSET if split == "heldout" else 0))
     out = []
-    for i, item in enumerate(make(split=split, n=n, seed=seed)):
-        if isinstance(item, TraceSample):
-            out.append(item)
-            continue
-        get = item.get if isinstance(item, dict) else (lambda k, _i=item: getattr(_i, k, None))
-        images = get("images") or [get("image")]
-        out.append(
-            TraceSample(
-                str(get("id") or f"zoo-{split}-{i}"), list(images), get("question"), str(get("answer"))
-            )
-        )
+    for i in range(n):
+        item = sampler.item(i, 1 + followups)
+        turns = [(q.mmbench_prompt() if q.options else q.vqa_prompt(), q.answer) for q in item.questions]
+        (text, answer), later = turns[0], turns[1:]
+        out.append(TraceSample(f"zoo-{split}-{seed}-{i}", [item.image], text, answer, later))
     return out
 
 
-def load_samples(spec: str, limit: int | None = None, seed: int = 0) -> list[TraceSample]:
-    """`toy[:N]`, `zoo:SPLIT[:N]`, an MMBench TSV, or a JSONL of {image, question, answer}."""
+def load_samples(spec: str, limit: int | None = None, seed: int = 0, followups: int = 0) -> list[TraceSample]:
+    """`toy[:N]`, `zoo:SPLIT[:N]`, an MMBench TSV, or a JSONL of {image, question, answer}. `followups`
+    (zoo only) adds later questions about the same image to each sample."""
     if spec.startswith("toy"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else (limit or 64)
         return toy_samples(min(n, limit or n), seed=seed)
@@ -196,7 +195,7 @@ def load_samples(spec: str, limit: int | None = None, seed: int = 0) -> list[Tra
         parts = spec.split(":")
         split = parts[1] if len(parts) > 1 and parts[1] else "train"
         n = int(parts[2]) if len(parts) > 2 else (limit or 512)
-        return zoo_samples(split, min(n, limit or n), seed)
+        return zoo_samples(split, min(n, limit or n), seed, followups)
     path = Path(spec)
     if not path.is_file():
         raise DataError(
@@ -289,11 +288,19 @@ def image_grid_coords(input_ids: torch.Tensor, image_token_id: int, tokens_per_i
     return rc
 
 
-def _build_inputs(processor: Any, sample: TraceSample) -> tuple[dict, str]:
+def _conversation(sample: TraceSample, answer: str | None) -> list[dict]:
     content = [{"type": "image"} for _ in sample.images] + [{"type": "text", "text": sample.question}]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    inputs = processor(images=sample.images or None, text=[prompt], return_tensors="pt")
-    return dict(inputs), prompt
+    msgs = [{"role": "user", "content": content}]
+    if answer is not None:
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+        for q, a in sample.followups:
+            msgs.append({"role": "user", "content": [{"type": "text", "text": q}]})
+            msgs.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+    return msgs
+
+
+def _tokenise(processor: Any, sample: TraceSample, text: str) -> dict:
+    return dict(processor(images=sample.images or None, text=[text], return_tensors="pt"))
 
 
 @torch.no_grad()
@@ -305,36 +312,38 @@ def capture_sample(
     max_new_tokens: int = 32,
     store_queries: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Run one sample and return its trace tensors (see the module docstring)."""
+    """Run one sample and return its trace tensors (see the module docstring). The future queries are every
+    token after the prompt that is fed back to the model: the answer, then the follow-up turns (the final
+    end-of-sequence token is never fed, so it is not a query)."""
     global _ACTIVE
     _register_capture_attention()
     device = next(model.parameters()).device
-    inputs, _ = _build_inputs(processor, sample)
-    inputs = {k: v.to(device) for k, v in inputs.items()}
+    prompt = processor.apply_chat_template(_conversation(sample, None), add_generation_prompt=True)
+    inputs = {k: v.to(device) for k, v in _tokenise(processor, sample, prompt).items()}
     ids = inputs["input_ids"]
     n = ids.shape[1]
     if answer == "greedy":
         gen = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        ans = gen[:, n:]
-        eos = model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos])
-        keep = []
-        for t in ans[0].tolist():
-            if t in eos_ids:
-                break
-            keep.append(t)
-        ans_ids = torch.tensor([keep], dtype=torch.long, device=device)
+        text_answer = processor.tokenizer.decode(gen[0, n:], skip_special_tokens=True).strip()
     elif answer == "reference":
-        tok = processor.tokenizer
-        ans_ids = torch.tensor(
-            [tok(" " + sample.answer, add_special_tokens=False)["input_ids"]], dtype=torch.long, device=device
-        )
+        text_answer = sample.answer
     else:
         raise DataError(f"answer mode {answer!r}: use 'reference' or 'greedy'")
-    full = dict(inputs)
-    full["input_ids"] = torch.cat([ids, ans_ids], dim=1)
+    conv = processor.apply_chat_template(_conversation(sample, text_answer))
+    full = {k: v.to(device) for k, v in _tokenise(processor, sample, conv).items()}
+    full_ids = full["input_ids"]
+    if full_ids.shape[1] <= n or not torch.equal(full_ids[:, :n], ids):
+        raise DataError(
+            f"sample {sample.sample_id}: the prompt's tokens are not a prefix of the conversation's; "
+            "the processor's chat template must render the user turn the same way with and without the answer"
+        )
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    if int(full_ids[0, -1]) in eos_ids:
+        full_ids = full_ids[:, :-1]
+    full["input_ids"] = full_ids
     if "attention_mask" in full:
-        full["attention_mask"] = torch.ones_like(full["input_ids"])
+        full["attention_mask"] = torch.ones_like(full_ids)
     tc = model.config.text_config if hasattr(model.config, "text_config") else model.config
     old = tc._attn_implementation
     rec = _Recorder(prompt_len=n, store_queries=store_queries)
@@ -359,7 +368,7 @@ def capture_sample(
     out["modality"] = torch.where(is_img, IMAGE, TEXT).to(torch.int8)
     per_image = int(getattr(model.config, "image_seq_length", 0) or max(1, int(is_img.sum())))
     out["image_rc"] = image_grid_coords(ids0, image_token_id, per_image).to(torch.int16)
-    out["answer_len"] = torch.tensor([ans_ids.shape[1]], dtype=torch.int32)
+    out["future_len"] = torch.tensor([full_ids.shape[1] - n], dtype=torch.int32)
     return out
 
 
