@@ -81,9 +81,11 @@ def sparse_paged_decode(
     page_idx: torch.Tensor,
     scale: float | None = None,
     num_splits: int | None = None,
+    max_page_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over the selected pages of each KV head -> (out (B, Hq, D), lse (B, Hq) fp32).
-    Layout: docs/kernels.md. `page_idx` entries of a head must be distinct (select_pages ensures it)."""
+    Layout: docs/kernels.md. `page_idx` entries of a head must be distinct (select_pages ensures it).
+    Pass `max_page_len` (>= every page_len, e.g. the cache's page capacity) to spare a device sync."""
     what = "sparse_paged_decode"
     _check(
         k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
@@ -104,7 +106,7 @@ def sparse_paged_decode(
     fn = (
         _decode.sparse_paged_decode_triton if backend(q, k_cache) == "triton" else ref.sparse_paged_decode_ref
     )
-    return fn(q, k_cache, v_cache, page_start, page_len, page_idx, scale, num_splits)
+    return fn(q, k_cache, v_cache, page_start, page_len, page_idx, scale, num_splits, max_page_len)
 
 
 def merge_attention(

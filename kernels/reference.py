@@ -29,15 +29,17 @@ def sparse_paged_decode_ref(
     page_idx: torch.Tensor,
     scale: float | None = None,
     num_splits: int | None = None,
+    max_page_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one decode query per sequence over the selected pages of each KV head.
 
     q (B, Hq, D); k_cache, v_cache (B, Hkv, N, D); page_start, page_len (B, Hkv, P);
     page_idx (B, Hkv, S), -1 pads. Returns out (B, Hq, D) in q's dtype and lse (B, Hq) fp32
     (natural log-sum-exp of the scaled scores; -inf and out 0 for a head that reads nothing).
-    `num_splits` only shapes the Triton kernel's work split; the result does not depend on it.
+    `num_splits` and `max_page_len` (an upper bound of page_len, saving the kernel a device sync)
+    only shape the Triton kernel's work; the result does not depend on them.
     """
-    del num_splits
+    del num_splits, max_page_len
     B, Hq, D = q.shape
     Hkv, N = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv

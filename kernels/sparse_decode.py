@@ -2,9 +2,10 @@
 
 One program per (batch, KV head, split): the query heads of the GQA group sit together in the M
 dimension of the tile (padded to 16 for tl.dot), so the K/V of a page are read once for the whole
-group. The program walks its share of the selected pages; each page is a contiguous run of that head's
-storage, read in BLOCK_N-token tiles (coalesced rows of D contiguous elements), with an online softmax
-in fp32 (exp2 domain). With few (batch, head) programs the selected pages are split over `num_splits`
+group. The program walks its share of the selected pages in one flat loop over BLOCK_N-token tiles;
+a tile holds PPT selected pages of up to CHUNK tokens each (a page is a contiguous run of that head's
+storage, so each tile row is D contiguous elements: coalesced), pages longer than CHUNK take several
+tiles. The softmax is online, in fp32 (exp2 domain). With few (batch, head) programs the selected pages are split over `num_splits`
 programs per head and the partial results are merged by log-sum-exp in a second small kernel.
 Reference: reference.sparse_paged_decode_ref; layout: docs/kernels.md.
 """
@@ -48,11 +49,14 @@ def _sparse_decode_kernel(
     S,
     pages_per_split,
     num_splits,
+    chunks_per_page,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PPT: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -61,7 +65,6 @@ def _sparse_decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < G
     d_mask = offs_d < D
 
@@ -77,28 +80,37 @@ def _sparse_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
 
+    # One flat loop over tiles, so the compiler can pipeline the loads of the next tiles: a tile is
+    # chunk `c` (CHUNK tokens) of PPT consecutive selected pages; pages longer than CHUNK take
+    # `chunks_per_page` tiles. BLOCK_N = PPT * CHUNK token rows per tile.
     s_lo = split * pages_per_split
     s_hi = tl.minimum(s_lo + pages_per_split, S)
-    for s in range(s_lo, s_hi):
-        page = tl.load(idx_base + s)
+    offs_pp = tl.arange(0, PPT)
+    offs_c = tl.arange(0, CHUNK)
+    num_tiles = tl.cdiv(s_hi - s_lo, PPT) * chunks_per_page
+    for t in range(0, num_tiles):
+        group = t // chunks_per_page
+        c0 = (t % chunks_per_page) * CHUNK
+        slot = s_lo + group * PPT + offs_pp
+        page = tl.load(idx_base + slot, mask=slot < s_hi, other=-1)
         has_page = page >= 0
-        page = tl.where(has_page, page, 0)
         start = tl.load(PS + pt_base + page, mask=has_page, other=0)
         length = tl.load(PL + pt_base + page, mask=has_page, other=0)
-        for n0 in range(0, length, BLOCK_N):
-            n_mask = (n0 + offs_n) < length
-            rows = start + n0 + offs_n
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * scale_log2  # (BLOCK_G, BLOCK_N), fp32
-            qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        tok = c0 + offs_c
+        valid = tl.reshape(tok[None, :] < length[:, None], (BLOCK_N,))
+        rows = tl.reshape(start[:, None] + tok[None, :], (BLOCK_N,))
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2  # (BLOCK_G, BLOCK_N), fp32
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # a tile of padding must not make NaNs
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
 
     read = l_i > 0
     out = acc / tl.where(read, l_i, 1.0)[:, None]
@@ -153,8 +165,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch_heads: int, num_selected: int, device: torch.device) -> int:
-    """Split the selected pages over programs until about two waves of programs fill the GPU."""
-    target = 2 * _num_sms(device)
+    """Split the selected pages over programs until there are about four programs per SM (two resident
+    per SM at the kernel's shared-memory use, so two waves)."""
+    target = 4 * _num_sms(device)
     if batch_heads >= target or num_selected <= 1:
         return 1
     return max(1, min(num_selected, -(-target // batch_heads), 64))
@@ -169,6 +182,7 @@ def sparse_paged_decode_triton(
     page_idx: torch.Tensor,
     scale: float | None = None,
     num_splits: int | None = None,
+    max_page_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -181,17 +195,24 @@ def sparse_paged_decode_triton(
     page_start = page_start.to(torch.int32).contiguous()
     page_len = page_len.to(torch.int32).contiguous()
     page_idx = page_idx.to(torch.int32).contiguous()
+    if max_page_len is None:  # a device sync: callers that know their page capacity pass it
+        max_page_len = int(page_len.max()) if page_len.numel() else 0
+    BLOCK_G = max(16, triton.next_power_of_2(G))
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    CHUNK = min(triton.next_power_of_2(max(max_page_len, 1)), BLOCK_N)
+    PPT = BLOCK_N // CHUNK
+    chunks_per_page = -(-max_page_len // CHUNK)
     if num_splits is None:
         num_splits = choose_num_splits(B * Hkv, S, q.device)
     num_splits = max(1, min(num_splits, max(S, 1)))
     pages_per_split = -(-S // num_splits) if S else 0
+    if num_splits > 1:  # whole tiles of PPT pages per split
+        pages_per_split = -(-pages_per_split // PPT) * PPT
     num_splits = max(1, -(-S // pages_per_split)) if S else 1
 
     o_part = torch.empty((B * Hkv, num_splits, G, D), dtype=torch.float32, device=q.device)
     l_part = torch.empty((B * Hkv, num_splits, G), dtype=torch.float32, device=q.device)
-    BLOCK_G = max(16, triton.next_power_of_2(G))
-    BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_N = 64 if BLOCK_D <= 64 else 32
     _sparse_decode_kernel[(B * Hkv, num_splits)](
         q,
         k_cache,
@@ -218,13 +239,16 @@ def sparse_paged_decode_triton(
         S,
         pages_per_split,
         num_splits,
+        chunks_per_page,
         G=G,
         D=D,
         BLOCK_G=BLOCK_G,
         BLOCK_D=BLOCK_D,
         BLOCK_N=BLOCK_N,
+        PPT=PPT,
+        CHUNK=CHUNK,
         num_warps=4,
-        num_stages=2,
+        num_stages=3,
     )
     if num_splits == 1:
         return o_part.view(B, Hq, D).to(q.dtype), l_part.view(B, Hq)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mm_oval.kernels import merge_attention, pad_selection, selected_token_mask, sparse_paged_decode
+from mm_oval.kernels import merge_attention, pad_selection, paginate, selected_token_mask, sparse_paged_decode
 from mm_oval.kernels.reference import sparse_paged_decode_ref
 from mm_oval.kernels.sparse_decode import sparse_paged_decode_triton
 
@@ -123,3 +123,30 @@ def test_strided_views_and_int64_tables():
     out, lse = sparse_paged_decode_triton(q, kv_view, v, ps.long(), pl.long(), idx.long(), num_splits=2)
     ref_out, ref_lse = sparse_paged_decode_ref(q, k, v, ps, pl, idx)
     assert rel_err(out, ref_out) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+
+
+@pytest.mark.parametrize("page_size, max_page_len", [(1, None), (16, None), (16, 32), (8, 8)])
+def test_many_pages_per_tile(page_size, max_page_len):
+    """Short pages share one kernel tile (64 / page_size of them); the split boundaries fall inside."""
+    g = torch.Generator().manual_seed(page_size)
+    B, Hkv, G, D, N = 3, 2, 4, 128, 90
+    q = torch.randn(B, Hkv * G, D, generator=g).half()
+    k = torch.randn(B, Hkv, N, D, generator=g).half()
+    v = torch.randn(B, Hkv, N, D, generator=g).half()
+    lengths = torch.randint(N // 2, N + 1, (B, Hkv), generator=g)
+    start, length = paginate(lengths, page_size)
+    P = start.shape[-1]
+    sel = [
+        [
+            [p for p in torch.randperm(int((length[b, h] > 0).sum()), generator=g).tolist() if p % 3]
+            for h in range(Hkv)
+        ]
+        for b in range(B)
+    ]
+    idx = pad_selection(sel, width=P)
+    want = sparse_paged_decode_ref(q, k, v, start, length, idx)
+    for splits in (1, 3):
+        got = sparse_paged_decode_triton(
+            q, k, v, start, length, idx, num_splits=splits, max_page_len=max_page_len
+        )
+        assert rel_err(got[0], want[0]) < TOL[torch.float16] and rel_err(got[1], want[1]) < 1e-5
