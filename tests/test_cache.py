@@ -1,0 +1,324 @@
+"""The paged multimodal cache: budgets and their accounting (KV bytes == the budget's share), page
+layout, decode-time page retrieval (exact attention over the pages read), the configuration."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+import mm_oval
+from mm_oval.cache import choose_kept, request_info
+from mm_oval.config import OvalConfig
+from mm_oval.errors import ConfigError
+from mm_oval.pages import layout_pages
+from mm_oval.policies.base import IMAGE, PAD, TEXT, RetrievalPolicy
+from mm_oval.stats import get_stats
+from mm_oval.wrapper import prefill
+
+
+def _inputs(processor, n=2):
+    texts = [
+        "USER: <image>\nwhat color is the circle ? ASSISTANT:",
+        "USER: <image>\nhow many red objects ? ASSISTANT:",
+    ]
+    g = torch.Generator().manual_seed(0)
+    imgs = [
+        Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
+        for _ in range(n)
+    ]
+    return processor(images=imgs, text=texts[:n], return_tensors="pt", padding=True)
+
+
+@pytest.fixture
+def model_and_processor(tiny_random_llava):
+    model, processor = tiny_random_llava
+    yield model, processor
+    mm_oval.unwrap(model)
+
+
+# ---- budgets ---------------------------------------------------------------------------------------
+
+
+def _toy_info(B=2, N=40, n_img=16, pad=(0, 5), sink=2, recent=3):
+    ids = torch.full((B, N), 7)
+    mask = torch.ones(B, N, dtype=torch.long)
+    for b in range(B):
+        mask[b, : pad[b]] = 0
+        ids[b, pad[b] + 4 : pad[b] + 4 + n_img] = 99
+    return request_info(
+        ids, mask, image_token_id=99, tokens_per_image=16, sink_tokens=sink, recent_tokens=recent
+    )
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.25, 0.5, 5])
+def test_choose_kept_keeps_each_modality_budget_per_sample_and_head(budget):
+    info = _toy_info()
+    scores = torch.randn(2, 3, 40)
+    cfg = OvalConfig(method="random", budget=budget, text_budget=0.5, sink_tokens=2, recent_tokens=3)
+    keep = choose_kept(scores, info, cfg)
+    for b in range(2):
+        n_img = int((info.modality[b] == IMAGE).sum())
+        n_txt = int((info.modality[b] == TEXT).sum())
+        want_img = budget if isinstance(budget, int) else math.ceil(budget * n_img)
+        for h in range(3):
+            k = keep[b, h]
+            assert int((k & (info.modality[b] == IMAGE)).sum()) == want_img
+            assert int((k & (info.modality[b] == TEXT)).sum()) == max(math.ceil(0.5 * n_txt), 5)
+            assert not (k & (info.modality[b] == PAD)).any()
+            assert k[info.protected[b]].all()  # sinks and the recent window are always kept
+            # the rest is the top of the scores within the modality
+            img = (info.modality[b] == IMAGE) & ~info.protected[b]
+            kept_s, drop_s = scores[b, h][img & k], scores[b, h][img & ~k]
+            if len(kept_s) and len(drop_s):
+                assert kept_s.min() >= drop_s.max()
+
+
+def test_scope_all_ranks_every_token_together_at_the_same_total_count():
+    info = _toy_info(sink=0, recent=0)
+    scores = torch.zeros(2, 1, 40)
+    scores[..., :] = torch.where(info.modality == IMAGE, 1.0, 0.0).unsqueeze(1)  # images score higher
+    per_mod = choose_kept(
+        scores,
+        info,
+        OvalConfig(method="random", budget=0.25, text_budget=0.5, sink_tokens=0, recent_tokens=0),
+    )
+    blind = choose_kept(
+        scores,
+        info,
+        OvalConfig(
+            method="random", budget=0.25, text_budget=0.5, scope="all", sink_tokens=0, recent_tokens=0
+        ),
+    )
+    assert (per_mod.sum(-1) == blind.sum(-1)).all()
+    # modality-blind: the higher-scoring image tokens take the whole budget
+    # (sample 0: 4 image + 12 text = 16 tokens; sample 1: 4 image + 10 text = 14 tokens)
+    assert (blind & (info.modality == IMAGE).unsqueeze(1)).sum(-1).tolist() == [[16], [14]]
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.25, 0.5])
+def test_kv_bytes_kept_are_the_budget_share_of_the_full_cache(model_and_processor, budget):
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    mm_oval.wrap(model, method="snapkv", budget=budget)
+    model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    s = get_stats(model)
+    cfg = model.config.text_config
+    per_token = (
+        2 * (cfg.hidden_size // cfg.num_attention_heads) * 4 * cfg.num_key_value_heads
+    )  # fp32 K+V, all heads
+    info = request_info(inputs["input_ids"], inputs["attention_mask"], model.config.image_token_id, 64, 4, 16)
+    n_img = (info.modality == IMAGE).sum(-1)
+    n_txt = (info.modality == TEXT).sum(-1)
+    share = torch.ceil(budget * n_img.double()).long()
+    # the rule (docs/wrap.md): sinks and the recent window count inside the budget and are always kept
+    prot_img = (info.protected & (info.modality == IMAGE)).sum(-1)
+    kept_img = torch.maximum(share, prot_img)
+    if budget >= 0.25:
+        assert (share >= prot_img).all() and (kept_img == share).all()  # exactly the budget's share
+    L = cfg.num_hidden_layers
+    assert s["kv_bytes_kept"] == int((n_txt + kept_img).sum()) * per_token * L
+    assert s["kv_bytes_full"] == int((n_txt + n_img).sum()) * per_token * L
+    assert s["image_kv_fraction_kept"] == pytest.approx(int(kept_img.sum()) / int(n_img.sum()))
+    assert all(row["image_tokens_kept"] == int(kept_img.sum()) for row in s["layers"])
+
+
+# ---- pages -----------------------------------------------------------------------------------------
+
+
+def test_pages_are_contiguous_runs_of_image_tiles_and_text_blocks():
+    info = _toy_info(B=2, N=40, n_img=16, pad=(0, 5))
+    torch.manual_seed(0)
+    keep = (torch.rand(2, 2, 40) < 0.6) & (info.modality != PAD).unsqueeze(1)
+    lay = layout_pages(
+        keep, info.modality, info.positions, info.image_rc, info.protected, image_tile=2, text_page_size=4
+    )
+    for b in range(2):
+        for h in range(2):
+            src = lay.src[b, h][lay.src[b, h] >= 0]
+            assert sorted(src.tolist()) == keep[b, h].nonzero().flatten().tolist()  # every kept token, once
+            starts, lens = lay.page_start[b, h], lay.page_len[b, h]
+            n_pages = int((lens > 0).sum())
+            assert int(lens.sum()) == len(src)
+            for j in range(n_pages):
+                slots = range(int(starts[j]), int(starts[j] + lens[j]))
+                toks = src[list(slots)]
+                assert (lay.slot_page[b, h, list(slots)] == j).all()
+                mods = info.modality[b, toks]
+                assert (mods == mods[0]).all()
+                assert lay.page_kind[b, h, j] == mods[0]
+                if mods[0] == IMAGE:
+                    rc = info.image_rc[b, toks]
+                    assert len(toks) <= 4 and len({(int(r) // 2, int(c) // 2) for _, r, c in rc}) == 1
+                else:
+                    assert len(toks) <= 4
+                pos = info.positions[b, toks]
+                assert (pos[1:] > pos[:-1]).all()  # position order inside a page
+                assert bool(lay.page_pinned[b, h, j]) == bool(info.protected[b, toks].any())
+            # pages ordered by first position
+            firsts = [int(info.positions[b, src[int(starts[j])]]) for j in range(n_pages)]
+            assert firsts == sorted(firsts)
+
+
+# ---- retrieval -------------------------------------------------------------------------------------
+
+
+class FirstCandidateOnly(RetrievalPolicy):
+    """Test policy: reads only the lowest-numbered candidate page of each head."""
+
+    name = "first-candidate"
+
+    def summarize(self, pages):
+        return {"len": pages.lengths}
+
+    def score_pages(self, ctx):
+        return -torch.arange(ctx.page_len.shape[-1], dtype=torch.float32).expand_as(ctx.page_len)
+
+    def select(self, ctx, read_budget):
+        s = self.score_pages(ctx).masked_fill(~ctx.candidates, float("-inf"))
+        return torch.nn.functional.one_hot(s.argmax(-1), s.shape[-1]).bool() & ctx.candidates
+
+
+def test_decode_attention_reads_exactly_the_selected_pages(model_and_processor):
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    mm_oval.wrap(model, method="knorm", budget=0.5, sink_tokens=1, recent_tokens=2)
+    cache = prefill(model, **inputs)
+    cache.retrieval = FirstCandidateOnly()
+    layer = cache.layers[1]
+    layer._summarize(0, layer.prompt_pages)
+    B, H, L, D = layer.keys.shape
+    G = model.config.text_config.num_attention_heads // H
+    q = torch.randn(B, H * G, 1, D)
+    k_new, v_new = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    layer.update(k_new, v_new)
+    out = layer.attend(q, scaling=D**-0.5)  # (B, 1, Hq, D)
+    for b in range(B):
+        for h in range(H):
+            kinds, lens, pinned = layer.page_kind[b, h], layer.page_len[b, h], layer.page_pinned[b, h]
+            cand = [j for j in range(len(lens)) if lens[j] > 0 and kinds[j] == IMAGE and not pinned[j]]
+            read = [j for j in range(len(lens)) if lens[j] > 0 and j not in cand[1:]]
+            slots = [
+                s
+                for j in read
+                for s in range(int(layer.page_start[b, h, j]), int(layer.page_start[b, h, j] + lens[j]))
+            ]
+            assert slots[-1] == L  # the new token, in the open page
+            keys, vals = layer.keys[b, h, slots], layer.values[b, h, slots]
+            for g in range(G):
+                a = torch.softmax(q[b, h * G + g, 0] @ keys.T * D**-0.5, -1)
+                torch.testing.assert_close(out[b, 0, h * G + g], a @ vals, atol=1e-5, rtol=1e-5)
+    assert cache.counters["pages_read"] == B * H and cache.counters["candidate_pages"] > B * H
+
+
+def test_quest_reads_its_share_and_all_pages_change_nothing(model_and_processor):
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    plain = model.generate(
+        **inputs, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
+    mm_oval.wrap(model, retrieval="quest", read_budget=1.0)
+    out = model.generate(
+        **inputs, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
+    assert out.sequences.tolist() == plain.sequences.tolist()
+    mm_oval.wrap(model, retrieval="quest", read_budget=0.25, sink_tokens=0, recent_tokens=0)
+    model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    # 16 image tiles of 2x2 per image and head, none pinned: 4 read per step
+    assert get_stats(model)["page_read_fraction"] == pytest.approx(0.25)
+
+
+def test_quest_scores_bound_the_true_logits():
+    from mm_oval.policies.base import DecodeContext, PageBatch
+    from mm_oval.policies.heuristics import Quest
+
+    torch.manual_seed(0)
+    B, H, G, P, T, D = 1, 2, 2, 5, 4, 8
+    keys = torch.randn(B, H, P, T, D)
+    mask = torch.ones(B, H, P, T, dtype=torch.bool)
+    mask[0, 0, 1, 2:] = False
+    pages = PageBatch(0, keys, keys, mask, torch.full((B, H, P), IMAGE, dtype=torch.int8), 0)
+    summ = Quest().summarize(pages)
+    q = torch.randn(B, H * G, 1, D)
+    # Quest's per-page bound is >= every true logit of the page (for each query head)
+    for h in range(H):
+        for g in range(G):
+            qq = q[0, h * G + g, 0]
+            bound = torch.maximum(qq * summ["kmin"][0, h], qq * summ["kmax"][0, h]).sum(-1)
+            true = (keys[0, h] @ qq).masked_fill(~mask[0, h], float("-inf")).amax(-1)
+            assert (bound >= true - 1e-5).all()
+    ctx = DecodeContext(
+        0,
+        q,
+        summ,
+        torch.zeros(B, H, P, dtype=torch.long),
+        mask.sum(-1),
+        pages.kind,
+        torch.ones(B, H, P, dtype=torch.bool),
+        D**-0.5,
+    )
+    s = Quest().score_pages(ctx)
+    assert s.shape == (B, H, P)
+    torch.testing.assert_close(s.exp().sum(-1), torch.ones(B, H))  # log of a mean of softmaxes
+    chosen = Quest().select(ctx, 0.4)
+    assert chosen.sum(-1).tolist() == [[2, 2]]
+
+
+def test_decode_pages_close_and_get_summaries(model_and_processor):
+    model, processor = model_and_processor
+    inputs = _inputs(processor, 1)
+    mm_oval.wrap(model, retrieval="quest", read_budget=0.5, retrieval_scope="all", text_page_size=4)
+    cache = prefill(model, **inputs)
+    layer = cache.layers[0]
+    p0 = layer.prompt_pages
+    assert layer.summaries["kmin"].shape[2] == p0
+    B, H, _, D = layer.keys.shape
+    for _ in range(9):
+        layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+    assert layer.summaries["kmin"].shape[2] == p0 + 2  # two full pages of 4 closed, one open
+    assert layer.page_len[0, 0, p0:].tolist() == [4, 4, 1]
+    assert layer.get_seq_length() == inputs["input_ids"].shape[1] + 9
+    assert layer.slot_pos[0, 0, -1] == inputs["input_ids"].shape[1] + 8
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+
+
+def test_from_spec_parses_method_options_and_config_fields():
+    cfg = OvalConfig.from_spec(
+        "snapkv:window=16,kernel=7,pooling=maxpool,scope=all,text_budget=0.5", budget=0.25
+    )
+    assert cfg.method == "snapkv" and cfg.budget == 0.25 and cfg.scope == "all" and cfg.text_budget == 0.5
+    assert cfg.method_options == {"window": 16, "kernel": 7, "pooling": "maxpool"}
+    assert OvalConfig.from_spec("full").method == "full"
+    assert OvalConfig.from_spec("tova:per_head=false", 64).method_options == {"per_head": False}
+    assert OvalConfig.from_spec("full:retrieval=quest,read_budget=0.25").retrieval == "quest"
+    with pytest.raises(ConfigError, match="key=value"):
+        OvalConfig.from_spec("snapkv:window")
+    with pytest.raises(ConfigError, match="budget=2.0 is out of range"):
+        OvalConfig.from_spec("snapkv", budget=2.0)
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"budget": 0.0}, "out of range"),
+        ({"text_budget": -3}, "out of range"),
+        ({"budget": True}, "fraction"),
+        ({"scope": "video"}, "scope"),
+        ({"read_budget": 1.5}, "read_budget"),
+        ({"sink_tokens": -1}, "sink_tokens"),
+        ({"image_tile": 0}, "image_tile"),
+    ],
+)
+def test_config_validation(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        OvalConfig(**kw)
+
+
+def test_unknown_retrieval_lists_the_known_ones(model_and_processor):
+    model, _ = model_and_processor
+    with pytest.raises(ConfigError, match="unknown retrieval method 'nope'; known methods: .*quest"):
+        mm_oval.wrap(model, retrieval="nope")
