@@ -189,6 +189,8 @@ def sparse_paged_decode_triton(
     G = Hq // Hkv
     S = page_idx.shape[-1]
     scale = D**-0.5 if scale is None else scale
+    out_dtype = q.dtype
+    q = q.to(k_cache.dtype)  # tl.dot wants one input dtype: the query takes the cache's
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
@@ -198,7 +200,7 @@ def sparse_paged_decode_triton(
     if max_page_len is None:  # a device sync: callers that know their page capacity pass it
         max_page_len = int(page_len.max()) if page_len.numel() else 0
     BLOCK_G = max(16, triton.next_power_of_2(G))
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
     CHUNK = min(triton.next_power_of_2(max(max_page_len, 1)), BLOCK_N)
     PPT = BLOCK_N // CHUNK
@@ -251,8 +253,8 @@ def sparse_paged_decode_triton(
         num_stages=3,
     )
     if num_splits == 1:
-        return o_part.view(B, Hq, D).to(q.dtype), l_part.view(B, Hq)
-    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+        return o_part.view(B, Hq, D).to(out_dtype), l_part.view(B, Hq)
+    out = torch.empty((B, Hq, D), dtype=out_dtype, device=q.device)
     lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
     _merge_splits_kernel[(B * Hq,)](
         o_part, l_part, out, lse, num_splits, G=G, D=D, BLOCK_D=BLOCK_D, num_warps=1

@@ -150,3 +150,12 @@ def test_many_pages_per_tile(page_size, max_page_len):
             q, k, v, start, length, idx, num_splits=splits, max_page_len=max_page_len
         )
         assert rel_err(got[0], want[0]) < TOL[torch.float16] and rel_err(got[1], want[1]) < 1e-5
+
+
+def test_fp32_query_over_fp16_cache_keeps_the_query_dtype():
+    q, k, v, ps, pl, idx = ragged_case(1, 2, 4, 64, seed=9, dtype=torch.float16)
+    q32 = q.float()
+    out, lse = sparse_paged_decode_triton(q32, k, v, ps, pl, idx)
+    ref_out, ref_lse = sparse_paged_decode_ref(q32, k, v, ps, pl, idx)
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref_out) < TOL[torch.float16] and rel_err(lse, ref_lse) < 1e-3
