@@ -1,7 +1,6 @@
 """Scoring pinned to hand-worked cases of the official rules (vqaEval.py, EvalAI/m4c, MMBench, eval_pope)."""
 
 import pytest
-
 from mm_oval.eval.mmbench import MMBenchTask, build_prompt, extract_answer
 from mm_oval.eval.pope import POPETask, yes_no
 from mm_oval.eval.tasks import Item
@@ -72,7 +71,19 @@ def test_vqav2_answers_that_differ_only_by_punctuation():
 
 @pytest.mark.parametrize(
     "k, expected",
-    [(0, 0.0), (1, 0.3), (2, 0.6), (3, 0.9), (4, 1.0), (5, 1.0), (6, 1.0), (7, 1.0), (8, 1.0), (9, 1.0), (10, 1.0)],
+    [
+        (0, 0.0),
+        (1, 0.3),
+        (2, 0.6),
+        (3, 0.9),
+        (4, 1.0),
+        (5, 1.0),
+        (6, 1.0),
+        (7, 1.0),
+        (8, 1.0),
+        (9, 1.0),
+        (10, 1.0),
+    ],
 )
 def test_vqa_leave_one_out_average_for_k_matching_answers(k, expected):
     # by hand: k answers match. Leaving out a matching one leaves k-1, a non-matching one k:
@@ -156,7 +167,10 @@ def test_mmbench_answer_extraction(answer, expected):
 
 def test_mmbench_prompt_is_llava_15s():
     p = build_prompt("What color?", "Look closely.", ["red", "blue"])
-    assert p == "Look closely.\nWhat color?\nA. red\nB. blue\nAnswer with the option's letter from the given choices directly."
+    assert (
+        p
+        == "Look closely.\nWhat color?\nA. red\nB. blue\nAnswer with the option's letter from the given choices directly."
+    )
     assert build_prompt("Q?", "nan", ["x", "y"]).startswith("Q?\nA. x")
     assert build_prompt("Q?", None, ["x", "y"]).startswith("Q?\nA. x")
 
@@ -166,7 +180,13 @@ def _mm_item(index, answer, category="cat1", l2="l2a"):
         id=str(index),
         prompt="",
         image=lambda: None,
-        meta={"answer": answer, "choices": dict(CHOICES), "category": category, "l2_category": l2, "question": "q"},
+        meta={
+            "answer": answer,
+            "choices": dict(CHOICES),
+            "category": category,
+            "l2_category": l2,
+            "question": "q",
+        },
     )
 
 
@@ -214,7 +234,12 @@ def test_pope_metrics_hand_worked():
     labels = ["yes", "yes", "yes", "no", "no"]
     preds = ["Yes", "No", "Yes", "Yes", "No"]  # TP=2 FN=1 FP=1 TN=1
     items = [
-        Item(id=str(i), prompt="", image=lambda: None, meta={"label": lab, "category": "random", "question_id": i})
+        Item(
+            id=str(i),
+            prompt="",
+            image=lambda: None,
+            meta={"label": lab, "category": "random", "question_id": i},
+        )
         for i, lab in enumerate(labels)
     ]
     s = POPETask().score(items, {str(i): p for i, p in enumerate(preds)})

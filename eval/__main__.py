@@ -1,0 +1,45 @@
+"""`python -m mm_oval.eval ...` / `accelerate launch [--num_processes N] -m mm_oval.eval ...`: the same
+options as `mm-oval eval`; each process takes a stride of the items, rank 0 scores."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _drop_checkout_root_from_path() -> None:
+    # `python -m` puts the working directory first on sys.path; in a source checkout that exposes the
+    # top-level kernels/ folder as a package named `kernels`, which transformers mistakes for the Hub's
+    # `kernels` library. mm_oval itself is importable from the installation, so the entry can go.
+    for entry in list(sys.path):
+        root = Path(entry or os.getcwd())
+        if (root / "kernels" / "__init__.py").is_file() and (root / "mm_oval" / "__init__.py").is_file():
+            sys.path.remove(entry)
+
+
+_drop_checkout_root_from_path()
+
+from ..errors import MmOvalError  # noqa: E402
+from . import cli_eval  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mm_oval.eval", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    cli_eval.add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return cli_eval.run(args)
+    except MmOvalError as e:
+        print(f"mm_oval.eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""`mm-oval eval`: evaluate a (wrapped) LLaVA-style model on one task. Also `accelerate launch -m mm_oval.eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+from .tasks import TASKS
+
+log = logging.getLogger(__name__)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", required=True, choices=list(TASKS), help="benchmark")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="dataset file or folder ('bundled' = the bundled synthetic dev sets). MMBench: the TSV; "
+        "VQAv2: folder with *questions*.json, *annotations*.json and the images; TextVQA: the JSON; "
+        "POPE: the JSONL or a folder of coco_pope_<category>.json",
+    )
+    parser.add_argument("--questions", help="VQAv2/TextVQA questions file (overrides the search in --data)")
+    parser.add_argument("--annotations", help="VQAv2 annotations file (overrides the search in --data)")
+    parser.add_argument(
+        "--images", help="image folder (default: images/, val2014/ or train_images/ beside the data)"
+    )
+    parser.add_argument("--image-map", help="VQAv2: JSON {image_id: file name} instead of COCO file names")
+    parser.add_argument("--ocr", help="TextVQA: Rosetta OCR JSON; adds LLaVA's 'Reference OCR token:' line")
+    parser.add_argument(
+        "--limit", type=int, help="first N questions only (MMBench: N questions with their rotations)"
+    )
+
+
+def data_options(args: argparse.Namespace) -> dict:
+    return {
+        "questions": args.questions,
+        "annotations": args.annotations,
+        "images": args.images,
+        "image_map": args.image_map,
+        "ocr": args.ocr,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help="local path or Hub id of a LLaVA model ('bundled' = the tiny one)"
+    )
+    add_data_arguments(parser)
+    parser.add_argument(
+        "--method", default="full", help="'full' (plain model) or a method spec 'name[:key=value,...]'"
+    )
+    parser.add_argument("--budget", help="KV budget of the method: a fraction (0.25) or a token count (64)")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="questions per generate call (left padding)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, help="default: 16 (short-answer prompts)")
+    parser.add_argument(
+        "--multi-turn", type=int, metavar="K", help="K questions per image in one conversation (VQA)"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16"
+    )
+    parser.add_argument(
+        "--out", required=True, help="output directory (resumable: rerun with the same --out)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .runner import evaluate, load_model
+
+    t0 = time.perf_counter()
+    model, processor = load_model(args.model, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    results = evaluate(
+        model,
+        processor,
+        args.task,
+        args.data,
+        method=args.method,
+        budget=args.budget,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        out_dir=args.out,
+        multi_turn=args.multi_turn,
+        model_name=args.model,
+        progress=not args.no_progress,
+        data_options=data_options(args),
+        extra_timings={"model_load_s": load_s},
+    )
+    from .runner import process_state
+
+    if process_state().is_main_process:
+        print_summary(results)
+        print(f"results: {args.out}/results.json")
+    return 0
+
+
+def print_summary(results: dict) -> None:
+    scores = {k: v for k, v in results["scores"].items() if not isinstance(v, dict)}
+    print(f"{results['task']}: {results['primary_metric']} = {results['primary']:.2f}")
+    print(json.dumps(scores, indent=1))

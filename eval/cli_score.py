@@ -1,0 +1,31 @@
+"""`mm-oval score`: score an existing predictions file (ours or another toolkit's) with the official rules."""
+
+from __future__ import annotations
+
+import argparse
+
+from .cli_eval import add_data_arguments, data_options, print_summary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_data_arguments(parser)
+    parser.add_argument(
+        "--predictions",
+        required=True,
+        help='VQAv2/TextVQA: JSON [{"question_id", "answer"}]; MMBench: TSV/CSV/XLSX with index and prediction; '
+        "POPE: JSONL with question_id and text",
+    )
+    parser.add_argument("--out", help="write the results JSON here (a folder or a .json path)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .runner import score_file
+
+    results = score_file(args.task, args.data, args.predictions, out=args.out, limit=args.limit,
+                         data_options=data_options(args))  # fmt: skip
+    print_summary(results)
+    c = results["counts"]
+    print(
+        f"{c['predictions']} of {c['items']} questions have a prediction ({c['unknown_ids']} unknown ids ignored)"
+    )
+    return 0

@@ -1,0 +1,607 @@
+"""The generic evaluation runner: a LLaVA-style model (optionally wrapped by a method spec) answers a
+task's items, greedily and in left-padded batches; each process of an `accelerate launch` takes a
+stride of the items; predictions are appended to a per-rank JSONL as they come, so a rerun with the
+same output directory resumes; the results JSON is written atomically.
+
+The runner knows nothing of policies: "full" is the plain model, any other spec goes to
+`mm_oval.wrap(model, config=OvalConfig.from_spec(spec, budget))` and is unwrapped afterwards.
+
+Output directory:
+    run.json                     the run's identity (task, data, model, method, budget, limit, ...)
+    predictions.rank<R>.jsonl    {"id", "prediction", "rank", "new_tokens"[, "turn"]} per item, appended
+    results.json                 config, versions, counts, scores, KV figures, timings (rank 0, atomic)
+    predictions_official.*       the predictions in the task's official format (readable by `mm-oval score`)
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, DataError, ModelError, ResultsError
+from .files import JsonlAppender, atomic_write_json, iter_records, read_json
+from .tasks import Item, Task, get_task, resolve_data
+
+log = logging.getLogger(__name__)
+
+# bump when prompts or the prediction record change: a resumed directory must hold the same kind of run
+RUN_FORMAT = 1
+IDENTITY_KEYS = ("format", "task", "data", "data_options", "model", "method", "budget", "limit",
+                 "max_new_tokens", "multi_turn")  # fmt: skip
+
+
+@dataclass
+class RunConfig:
+    """What defines a run (everything that can change a prediction) plus how it is executed."""
+
+    task: str
+    data: str
+    model: str
+    method: str = "full"
+    budget: float | int | None = None
+    limit: int | None = None
+    max_new_tokens: int | None = None
+    multi_turn: int | None = None
+    data_options: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 1  # does not change predictions (tested), so not part of the identity
+    format: int = RUN_FORMAT
+
+    def identity(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: d[k] for k in IDENTITY_KEYS}
+
+
+# ---------------------------------------------------------------- processes
+
+
+def process_state() -> Any:
+    """accelerate's process state. Without a GPU the processes of a launch (torchrun-style env vars)
+    talk over gloo on the CPU; accelerate only does that when told it is on the CPU."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+# ---------------------------------------------------------------- model loading
+
+
+def parse_budget(raw: str | float | int | None) -> float | int | None:
+    """ "0.25" -> 0.25 (a fraction), "64" -> 64 (a token count)."""
+    if raw is None or isinstance(raw, (int, float)):
+        return raw
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"budget {raw!r} is neither a fraction like 0.25 nor a token count like 64"
+        ) from None
+
+
+def resolve_model_path(model: str) -> str:
+    if model == "bundled":
+        from mm_oval.zoo import bundled_model_path
+
+        return str(bundled_model_path())
+    return model
+
+
+def load_model(
+    model: str,
+    device: str | torch.device | None = None,
+    dtype: str = "auto",
+    attn_implementation: str | None = None,
+) -> tuple[Any, Any]:
+    """`LlavaForConditionalGeneration.from_pretrained` + `AutoProcessor.from_pretrained` of a local
+    path or Hub id (`bundled` = the bundled tiny LLaVA). Non-LLaVA models are rejected up front."""
+    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+
+    path = resolve_model_path(model)
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load a model config from {path!r}: {e}") from e
+    if cfg.model_type != "llava":
+        raise ModelError(
+            f"{path!r} is a {cfg.model_type!r} model; mm-oval evaluates LLaVA-style models "
+            "(LlavaForConditionalGeneration, e.g. llava-hf/llava-1.5-7b-hf or --model bundled)"
+        )
+    if device is None:
+        device = process_state().device
+    device = torch.device(device)
+    if dtype == "auto":
+        torch_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    else:
+        try:
+            torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+                dtype
+            ]
+        except KeyError:
+            raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, float16, bfloat16") from None
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    net = LlavaForConditionalGeneration.from_pretrained(path, **kwargs).to(device).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    return net, processor
+
+
+def check_llava(model: Any) -> None:
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) != "llava" or getattr(cfg, "image_token_id", None) is None:
+        raise ModelError(
+            f"{type(model).__name__} is not a LLaVA-style model: the evaluation needs a "
+            "LlavaForConditionalGeneration (config.model_type 'llava' with an image_token_id)"
+        )
+
+
+# ---------------------------------------------------------------- methods
+
+
+def apply_method(model: Any, method: str, budget: float | int | None) -> bool:
+    """Wrap `model` in place for a method spec; return whether it was wrapped (to unwrap afterwards)."""
+    if getattr(model, "_mm_oval", None) is not None:
+        raise ConfigError("the model is already wrapped: pass the plain model and a method spec instead")
+    if method == "full":
+        if budget not in (None, 1, 1.0):
+            raise ConfigError("--budget applies to compressed methods; method 'full' keeps the whole cache")
+        return False
+    try:
+        import mm_oval
+        from mm_oval.config import OvalConfig
+
+        wrap = mm_oval.wrap
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            f"method {method!r} needs mm_oval.wrap, which this install lacks; only 'full' is available ({e})"
+        ) from e
+    wrap(model, config=OvalConfig.from_spec(method, budget))
+    return True
+
+
+def remove_method(model: Any) -> None:
+    import mm_oval
+
+    mm_oval.unwrap(model)
+
+
+def _kv_stats(model: Any) -> dict[str, Any] | None:
+    if getattr(model, "_mm_oval", None) is None:
+        return None
+    try:
+        from mm_oval.stats import get_stats
+
+        s = get_stats(model)
+    except Exception as e:  # stats are a report, never a reason to lose an evaluation
+        log.debug("no KV stats: %s", e)
+        return None
+    return {k: v for k, v in s.items() if k != "layers"}
+
+
+def summarize_kv(rows: list[dict]) -> dict[str, Any]:
+    """Totals over the requests of a run (each row: one generate call's stats)."""
+    if not rows:
+        return {}
+    full = sum(r.get("kv_bytes_full") or 0 for r in rows)
+    kept = sum(r.get("kv_bytes_kept") or 0 for r in rows)
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    out = {
+        k: rows[0].get(k) for k in ("method", "budget", "text_budget", "scope", "retrieval", "read_budget")
+    }
+    out.update(
+        {
+            "requests": len(rows),
+            "kv_bytes_full": int(full),
+            "kv_bytes_kept": int(kept),
+            "kv_fraction_kept": kept / full if full else None,
+            "image_kv_fraction_kept": mean("image_kv_fraction_kept"),
+            "page_read_fraction": mean("page_read_fraction"),
+            "prefill_s": sum(r.get("prefill_s") or 0.0 for r in rows),
+            "decode_s": sum(r.get("decode_s") or 0.0 for r in rows),
+            "decode_steps": sum(r.get("decode_steps") or 0 for r in rows),
+        }
+    )
+    return out
+
+
+# ---------------------------------------------------------------- generation
+
+
+def chat_prompt(processor: Any, text: str, history: list[tuple[str, str]] | None = None) -> str:
+    """The model's chat template around an image and `text` (LLaVA-1.5: "USER: <image>\\n{text} ASSISTANT:")."""
+    messages: list[dict] = []
+    for i, (q, a) in enumerate(history or []):
+        content = [{"type": "text", "text": q}]
+        if i == 0:
+            content.insert(0, {"type": "image"})
+        messages += [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": a}]},
+        ]
+    content = [{"type": "text", "text": text}]
+    if not history:
+        content.insert(0, {"type": "image"})
+    messages.append({"role": "user", "content": content})
+    if getattr(processor, "chat_template", None):
+        return processor.apply_chat_template(messages, add_generation_prompt=True)
+    if history:
+        raise ConfigError("multi-turn evaluation needs a processor with a chat template")
+    return f"USER: <image>\n{text} ASSISTANT:"
+
+
+def _model_inputs(processor: Any, model: Any, images: list, texts: list[str]) -> dict[str, torch.Tensor]:
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    out = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(model.device)
+            if v.is_floating_point():
+                v = v.to(model.dtype)
+            out[k] = v
+    return out
+
+
+def _gen_kwargs(processor: Any, max_new_tokens: int) -> dict[str, Any]:
+    tok = processor.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return {"max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1, "pad_token_id": pad}
+
+
+def generate_batch(
+    model: Any, processor: Any, items: list[Item], max_new_tokens: int
+) -> list[tuple[str, int]]:
+    """Greedy answers for a batch (left padding); (text, number of new tokens) per item."""
+    images = [it.image() for it in items]
+    inputs = _model_inputs(processor, model, images, [chat_prompt(processor, it.prompt) for it in items])
+    kw = _gen_kwargs(processor, max_new_tokens)
+    with torch.inference_mode():
+        seq = model.generate(**inputs, **kw)
+    new = seq[:, inputs["input_ids"].shape[1] :]
+    texts = processor.tokenizer.batch_decode(new, skip_special_tokens=True)
+    eos = processor.tokenizer.eos_token_id
+    counts = []
+    for row in new.tolist():
+        n = 0
+        for t in row:
+            n += 1
+            if t == eos:
+                break
+        counts.append(n)
+    return [(t.strip(), n) for t, n in zip(texts, counts)]
+
+
+def generate_conversation(
+    model: Any, processor: Any, items: list[Item], max_new_tokens: int, reuse_cache: bool = True
+) -> list[tuple[str, int]]:
+    """Multi-turn: one image, the items' questions asked in turn in one conversation. The first turn
+    prefills image + question (a wrapped model compresses its cache there, once); each later turn feeds
+    only the new tokens (end of turn, next question) on top of the same cache. The conversation is kept
+    as token ids: each answer enters the next turn exactly as generated. `reuse_cache=False` re-prefills
+    the whole conversation every turn instead (the reference the cached path must equal)."""
+    tok = processor.tokenizer
+    kw = _gen_kwargs(processor, max_new_tokens)
+    if getattr(model, "_mm_oval", None) is not None:
+        from mm_oval.wrapper import new_cache
+
+        cache = new_cache(model)
+    else:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config.get_text_config())
+    marker = "\u2063MMOVAL-ANSWER\u2063"
+    history: list[tuple[str, str]] = []
+    seq: torch.Tensor | None = None
+    out = []
+    for t, it in enumerate(items):
+        if t == 0:
+            inputs = _model_inputs(processor, model, [it.image()], [chat_prompt(processor, it.prompt)])
+            pixel_values = inputs["pixel_values"]
+        else:
+            # the template's text after the previous answer: end of turn, the next question, the assistant tag
+            rendered = chat_prompt(processor, it.prompt, history[:-1] + [(history[-1][0], marker)])
+            if marker not in rendered:
+                raise ConfigError(
+                    "multi-turn: the chat template drops assistant turns; cannot continue the conversation"
+                )
+            tail = rendered.split(marker, 1)[1]
+            tail_ids = tok(tail, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
+            prev = seq
+            if prev[0, -1].item() == tok.eos_token_id:
+                prev = prev[:, :-1]  # the template closes the turn itself
+            ids = torch.cat([prev, tail_ids], dim=1)
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            if not reuse_cache:
+                inputs["pixel_values"] = pixel_values
+        with torch.inference_mode():
+            if reuse_cache:
+                seq = model.generate(**inputs, **kw, cache=cache)
+            else:
+                seq = model.generate(**inputs, **kw)
+        new = seq[:, inputs["input_ids"].shape[1] :]
+        text = tok.decode(new[0], skip_special_tokens=True).strip()
+        n = int(new.shape[1])
+        out.append((text, n))
+        history.append((it.prompt, text))
+    return out
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("mm-oval", "torch", "transformers", "accelerate"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _check_identity(out_dir: Path, run: RunConfig, is_main: bool) -> None:
+    ident = run.identity()
+    path = out_dir / "run.json"
+    if path.exists():
+        old = read_json(path, "run file").get("identity", {})
+        diff = [k for k in IDENTITY_KEYS if old.get(k) != ident.get(k)]
+        if diff:
+            detail = "; ".join(f"{k}: {old.get(k)!r} there, {ident.get(k)!r} now" for k in diff)
+            raise ResultsError(
+                f"{out_dir} holds results of another configuration ({detail}); "
+                "use another --out, or delete that directory to start over"
+            )
+    elif any(out_dir.glob("predictions.rank*.jsonl")):
+        raise ResultsError(f"{out_dir} holds predictions but no run.json; use another --out or delete them")
+    elif is_main:
+        atomic_write_json(path, {"identity": ident})
+
+
+def _read_done(out_dir: Path, valid_ids: set[str]) -> dict[str, dict]:
+    done: dict[str, dict] = {}
+    for f in sorted(out_dir.glob("predictions.rank*.jsonl")):
+        for rec in iter_records(f):
+            if rec.get("id") in valid_ids and "prediction" in rec:
+                done[rec["id"]] = rec
+    return done
+
+
+def _units(items: list[Item], multi_turn: int | None) -> list[list[Item]]:
+    """Work units: single items, or conversations of up to K questions about the same image."""
+    if not multi_turn:
+        return [[it] for it in items]
+    if multi_turn < 1:
+        raise ConfigError(f"--multi-turn must be >= 1, got {multi_turn}")
+    groups: dict[str, list[Item]] = {}
+    for it in items:
+        if it.group is None:
+            raise ConfigError("this task has no image groups; --multi-turn needs a task like vqav2")
+        groups.setdefault(it.group, []).append(it)
+    units = []
+    for members in groups.values():
+        units += [members[i : i + multi_turn] for i in range(0, len(members), multi_turn)]
+    return units
+
+
+def _batches(units: list[list[Item]], batch_size: int, multi_turn: int | None) -> Iterable[list[list[Item]]]:
+    step = 1 if multi_turn else batch_size
+    for i in range(0, len(units), step):
+        yield units[i : i + step]
+
+
+def evaluate(
+    model: Any,
+    processor: Any,
+    task: str | Task,
+    data: str | Path,
+    method: str = "full",
+    budget: float | int | str | None = None,
+    limit: int | None = None,
+    batch_size: int = 1,
+    max_new_tokens: int | None = None,
+    out_dir: str | Path | None = None,
+    multi_turn: int | None = None,
+    model_name: str | None = None,
+    progress: bool = True,
+    data_options: dict[str, Any] | None = None,
+    extra_timings: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Evaluate `model` on a task and return the results dict (on every rank). With `out_dir`, predictions
+    are appended per rank as they come (a rerun resumes) and rank 0 writes results.json atomically."""
+    from accelerate.utils import gather_object
+
+    t_start = time.perf_counter()
+    state = process_state()
+    rank, world = state.process_index, state.num_processes
+    check_llava(model)
+    task_obj = get_task(task) if isinstance(task, str) else task
+    budget = parse_budget(budget)
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    data_options = {k: v for k, v in (data_options or {}).items() if v is not None}
+    data_path = resolve_data(data)
+    max_new = max_new_tokens or task_obj.max_new_tokens
+    run = RunConfig(
+        task=task_obj.name,
+        data=str(data_path.resolve()) if str(data) != "bundled" else "bundled",
+        model=model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
+        method=method,
+        budget=budget,
+        limit=limit,
+        max_new_tokens=max_new,
+        multi_turn=multi_turn,
+        data_options={k: str(v) for k, v in data_options.items()},
+        batch_size=batch_size,
+    )
+    items = task_obj.load(data_path, limit=limit, **data_options)
+    if not items:
+        raise DataError(f"{data_path}: no {task_obj.name} items found")
+    ids = {it.id for it in items}
+    if len(ids) != len(items):
+        raise DataError(f"{data_path}: item ids repeat; each question needs a unique id")
+
+    out = Path(out_dir) if out_dir is not None else None
+    done: dict[str, dict] = {}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        _check_identity(out, run, state.is_main_process)
+        state.wait_for_everyone()
+        done = _read_done(out, ids)
+
+    units = _units(items, multi_turn)
+    mine = units[rank::world]
+    todo = [u for u in mine if not all(it.id in done for it in u)]
+    records: dict[str, dict] = {it.id: done[it.id] for u in mine for it in u if it.id in done}
+    n_new = sum(len(u) for u in todo)
+    if done:
+        log.info(
+            "rank %d: %d of its %d items already done; %d to go",
+            rank,
+            len(records),
+            sum(map(len, mine)),
+            n_new,
+        )
+
+    wrapped = apply_method(model, method, budget)
+    kv_rows: list[dict] = []
+    appender = JsonlAppender(out / f"predictions.rank{rank}.jsonl") if out is not None else None
+    t_gen = time.perf_counter()
+    try:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=n_new,
+            desc=f"{task_obj.name} [{method}]",
+            unit="q",
+            disable=not (progress and state.is_main_process),
+        )
+        for batch in _batches(todo, batch_size, multi_turn):
+            if multi_turn:
+                answers = generate_conversation(model, processor, batch[0], max_new)
+                flat = batch[0]
+            else:
+                flat = [u[0] for u in batch]
+                answers = generate_batch(model, processor, flat, max_new)
+            stats = _kv_stats(model)
+            if stats:
+                kv_rows.append(stats)
+            for turn, (it, (text, ntok)) in enumerate(zip(flat, answers)):
+                rec = {"id": it.id, "prediction": text, "rank": rank, "new_tokens": ntok}
+                if multi_turn:
+                    rec["turn"] = turn
+                records[it.id] = rec
+                if appender is not None:
+                    appender.write(rec)
+            bar.update(len(flat))
+        bar.close()
+    finally:
+        if appender is not None:
+            appender.close()
+        if wrapped:
+            remove_method(model)
+    gen_s = time.perf_counter() - t_gen
+
+    # every rank contributes its stride; all_gather so every rank can return the same results
+    gathered = gather_object([(rank, list(records.values()), kv_rows, gen_s, n_new)])
+    all_records: dict[str, dict] = {}
+    all_kv: list[dict] = []
+    per_rank = {}
+    for r, recs, kvs, gs, nn in gathered:
+        for rec in recs:
+            all_records[rec["id"]] = rec
+        all_kv += kvs
+        per_rank[str(r)] = {"items": len(recs), "new_items": nn, "generate_s": gs}
+    predictions = {i: rec["prediction"] for i, rec in all_records.items()}
+
+    t_score = time.perf_counter()
+    scores = task_obj.score(items, predictions)
+    score_s = time.perf_counter() - t_score
+    total_new = sum(v["new_items"] for v in per_rank.values())
+    gen_wall = max(v["generate_s"] for v in per_rank.values())
+    results: dict[str, Any] = {
+        "task": task_obj.name,
+        "primary_metric": task_obj.primary_metric,
+        "primary": task_obj.primary(scores),
+        "config": asdict(run),
+        "versions": _versions(),
+        "counts": {
+            "items": len(items),
+            "predictions": sum(1 for it in items if it.id in predictions),
+            "missing": sum(1 for it in items if it.id not in predictions),
+            "new_tokens": sum(int(rec.get("new_tokens", 0)) for rec in all_records.values()),
+        },
+        "scores": scores,
+        "kv": summarize_kv(all_kv),
+        "timings": {
+            **(extra_timings or {}),
+            "generate_s": gen_wall,
+            "score_s": score_s,
+            "total_s": time.perf_counter() - t_start + sum((extra_timings or {}).values()),
+            "items_per_s": total_new / gen_wall if gen_wall > 0 and total_new else None,
+        },
+        "run": {
+            "world_size": world,
+            "device": str(model.device),
+            "new_items": total_new,
+            "per_rank": per_rank,
+        },
+    }
+    if out is not None and state.is_main_process:
+        official = task_obj.write_predictions(out / "predictions_official", items, predictions)
+        results["official_predictions"] = official.name
+        atomic_write_json(out / "results.json", results)
+    state.wait_for_everyone()
+    return results
+
+
+def score_file(task: str, data: str | Path, predictions_file: str | Path, out: str | Path | None = None,
+               limit: int | None = None, data_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Score another toolkit's predictions file with our rules (no model)."""
+    task_obj = get_task(task)
+    data_path = resolve_data(data)
+    data_options = {k: v for k, v in (data_options or {}).items() if v is not None}
+    items = task_obj.load(data_path, limit=limit, **data_options)
+    preds = task_obj.read_predictions(Path(predictions_file), items)
+    unknown = len(set(preds) - {it.id for it in items})
+    scores = task_obj.score(items, preds)
+    results = {
+        "task": task_obj.name,
+        "primary_metric": task_obj.primary_metric,
+        "primary": task_obj.primary(scores),
+        "config": {
+            "task": task_obj.name,
+            "data": str(data_path),
+            "predictions": str(predictions_file),
+            "limit": limit,
+            "data_options": {k: str(v) for k, v in data_options.items()},
+        },  # fmt: skip
+        "versions": _versions(),
+        "counts": {
+            "items": len(items),
+            "predictions": sum(1 for it in items if it.id in preds),
+            "missing": sum(1 for it in items if it.id not in preds),
+            "unknown_ids": unknown,
+        },
+        "scores": scores,
+    }
+    if out is not None:
+        p = Path(out)
+        atomic_write_json(p / "results.json" if p.suffix != ".json" else p, results)
+    return results

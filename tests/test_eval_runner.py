@@ -1,0 +1,307 @@
+"""The runner's mechanics on a tiny random LLaVA and tiny datasets in the real formats: batching with left
+padding, resume after a crash, sharding over 2 accelerate processes, the results files, errors."""
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mm_oval.eval import runner
+from mm_oval.eval.runner import evaluate, load_model, score_file
+from PIL import Image
+
+from mm_oval.errors import ConfigError, DataError, ModelError, ResultsError
+
+COLORS = ["red", "green", "blue", "yellow"]
+
+
+def _png(color: str, size: int = 128) -> Image.Image:
+    im = Image.new("RGB", (size, size), "gray")
+    im.paste(Image.new("RGB", (size // 2, size // 2), color), (size // 4, size // 4))
+    return im
+
+
+def make_vqav2(root: Path, n_images: int = 4, per_image: int = 2) -> Path:
+    (root / "images").mkdir(parents=True)
+    questions, annotations = [], []
+    qid = 0
+    for i in range(n_images):
+        image_id = 100 + i
+        _png(COLORS[i % 4]).save(root / "images" / f"COCO_val2014_{image_id:012d}.png")
+        for q in ["what color is the square ?", "how many objects are there ?"][:per_image]:
+            qid += 1
+            questions.append({"question_id": qid, "image_id": image_id, "question": q})
+            ans = COLORS[i % 4] if "color" in q else "one"
+            annotations.append(
+                {
+                    "question_id": qid,
+                    "image_id": image_id,
+                    "question_type": "what color" if "color" in q else "how many",
+                    "answer_type": "other" if "color" in q else "number",
+                    "multiple_choice_answer": ans,
+                    "answers": [
+                        {"answer": ans, "answer_confidence": "yes", "answer_id": k + 1} for k in range(10)
+                    ],
+                }
+            )
+    (root / "vqav2_dev_questions.json").write_text(json.dumps({"questions": questions}))
+    (root / "vqav2_dev_annotations.json").write_text(json.dumps({"annotations": annotations}))
+    return root
+
+
+def make_mmbench(path: Path, n: int = 2) -> Path:
+    buf = io.BytesIO()
+    _png("red").save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    lines = ["index\tquestion\thint\tA\tB\tC\tD\tanswer\tcategory\timage\tl2-category\tsplit"]
+    for q in range(n):
+        opts = COLORS[:]
+        for k in range(4):
+            rot = opts[k:] + opts[:k]
+            answer = "ABCD"[rot.index("red")]
+            lines.append(
+                "\t".join(
+                    [
+                        str(q + k * 1_000_000),
+                        "what color is the square ?",
+                        "" if q else "look at the image",
+                        *rot,
+                        answer,
+                        f"cat{q}",
+                        b64,
+                        "perception",
+                        "dev",
+                    ]
+                )  # fmt: skip
+            )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tiny_random_llava):
+    model, processor = tiny_random_llava
+    d = tmp_path_factory.mktemp("tiny_llava")
+    model.save_pretrained(d)
+    processor.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def vqa_dir(tmp_path_factory):
+    return make_vqav2(tmp_path_factory.mktemp("vqa"))
+
+
+def _preds(out: Path) -> dict:
+    recs = {}
+    for f in sorted(out.glob("predictions.rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            recs[r["id"]] = r["prediction"]
+    return recs
+
+
+def _comparable(results: dict) -> dict:
+    # what must not depend on how the run was executed (timings, world size, batch size may differ)
+    return {k: results[k] for k in ("task", "primary", "counts", "scores", "kv")}
+
+
+def test_batch_of_4_equals_batch_of_1(loaded, vqa_dir, tmp_path):
+    model, processor = loaded
+    r1 = evaluate(
+        model,
+        processor,
+        "vqav2",
+        vqa_dir,
+        batch_size=1,
+        out_dir=tmp_path / "b1",
+        max_new_tokens=6,
+        progress=False,
+    )
+    r4 = evaluate(
+        model,
+        processor,
+        "vqav2",
+        vqa_dir,
+        batch_size=4,
+        out_dir=tmp_path / "b4",
+        max_new_tokens=6,
+        progress=False,
+    )
+    p1, p4 = _preds(tmp_path / "b1"), _preds(tmp_path / "b4")
+    assert len(p1) == 8 and p1 == p4
+    assert len(set(p1.values())) > 1  # the random model's answers differ between questions: a real check
+    assert _comparable(r1) == _comparable(r4)
+    # the results file is what evaluate returned, and the official predictions file scores the same
+    on_disk = json.loads((tmp_path / "b1" / "results.json").read_text())
+    assert on_disk["scores"] == r1["scores"] and on_disk["config"]["task"] == "vqav2"
+    rescored = score_file("vqav2", vqa_dir, tmp_path / "b1" / "predictions_official.json")
+    assert rescored["scores"] == r1["scores"]
+
+
+def test_killed_run_resumes_to_the_same_results(loaded, vqa_dir, tmp_path, monkeypatch):
+    model, processor = loaded
+    full = evaluate(
+        model,
+        processor,
+        "vqav2",
+        vqa_dir,
+        batch_size=2,
+        out_dir=tmp_path / "ref",
+        max_new_tokens=6,
+        progress=False,
+    )
+
+    real = runner.generate_batch
+    calls = {"n": 0}
+
+    def dies_after_two_batches(*a, **k):
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # the process is stopped mid-run
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "generate_batch", dies_after_two_batches)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(
+            model, processor, "vqav2", vqa_dir, batch_size=2, out_dir=out, max_new_tokens=6, progress=False
+        )
+    assert not (out / "results.json").exists()
+    assert len(_preds(out)) == 4
+    # a crash in the middle of writing a record leaves half a line
+    with open(out / "predictions.rank0.jsonl", "a") as f:
+        f.write('{"id": "5", "predic')
+    monkeypatch.setattr(runner, "generate_batch", real)
+    resumed = evaluate(
+        model, processor, "vqav2", vqa_dir, batch_size=2, out_dir=out, max_new_tokens=6, progress=False
+    )
+    assert resumed["run"]["new_items"] == 4  # only the unfinished half was generated
+    assert _comparable(resumed) == _comparable(full)
+    assert _preds(out) == _preds(tmp_path / "ref")
+    again = evaluate(
+        model, processor, "vqav2", vqa_dir, batch_size=2, out_dir=out, max_new_tokens=6, progress=False
+    )
+    assert again["run"]["new_items"] == 0 and _comparable(again) == _comparable(full)
+
+
+def test_output_dir_of_another_config_is_refused(loaded, vqa_dir, tmp_path):
+    model, processor = loaded
+    evaluate(model, processor, "vqav2", vqa_dir, limit=2, out_dir=tmp_path, max_new_tokens=6, progress=False)
+    with pytest.raises(ResultsError, match="limit: 2 there, 3 now"):
+        evaluate(
+            model, processor, "vqav2", vqa_dir, limit=3, out_dir=tmp_path, max_new_tokens=6, progress=False
+        )
+
+
+def test_mmbench_end_to_end_and_score_roundtrip(loaded, tmp_path):
+    model, processor = loaded
+    tsv = make_mmbench(tmp_path / "mmbench_dev.tsv")
+    res = evaluate(
+        model,
+        processor,
+        "mmbench",
+        tsv,
+        batch_size=4,
+        out_dir=tmp_path / "out",
+        max_new_tokens=6,
+        progress=False,
+    )
+    assert res["scores"]["num_questions"] == 2 and res["scores"]["num_rows"] == 8
+    again = score_file("mmbench", tsv, tmp_path / "out" / "predictions_official.tsv")
+    assert again["scores"] == res["scores"]
+    # a prediction file from another toolkit: all rotations right -> 100
+    rows = ["index\tprediction"] + [
+        f"{q + k * 1_000_000}\t{'ABCD'[(['red', 'green', 'blue', 'yellow'][k:] + ['red', 'green', 'blue', 'yellow'][:k]).index('red')]}"
+        for q in range(2)
+        for k in range(4)
+    ]
+    (tmp_path / "theirs.tsv").write_text("\n".join(rows) + "\n")
+    assert score_file("mmbench", tsv, tmp_path / "theirs.tsv")["scores"]["circular_accuracy"] == 100.0
+
+
+def test_multi_turn_full_cache_matches_reprefill(loaded, vqa_dir, tmp_path):
+    model, processor = loaded
+    res = evaluate(
+        model, processor, "vqav2", vqa_dir, multi_turn=2, out_dir=tmp_path, max_new_tokens=6, progress=False
+    )
+    recs = [json.loads(x) for x in (tmp_path / "predictions.rank0.jsonl").read_text().splitlines()]
+    assert sorted(r["turn"] for r in recs) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert res["counts"]["predictions"] == 8
+    # later turns reuse the cache: each answer must equal a fresh generate over the whole conversation
+    from mm_oval.eval.runner import generate_conversation
+    from mm_oval.eval.vqa import VQAv2Task
+
+    items = VQAv2Task().load(vqa_dir)
+    by_id = {r["id"]: r["prediction"] for r in recs}
+    for conv in (items[0:2], items[2:4]):
+        fresh = generate_conversation(model, processor, conv, 6, reuse_cache=False)
+        assert [by_id[it.id] for it in conv] == [t for t, _ in fresh]
+
+
+def test_clear_errors(loaded, tmp_path, vqa_dir):
+    model, processor = loaded
+    with pytest.raises(DataError, match="not found"):
+        evaluate(model, processor, "vqav2", tmp_path / "nope", max_new_tokens=6, progress=False)
+    bad = tmp_path / "bad.tsv"
+    make_mmbench(bad)
+    lines = bad.read_text().splitlines()
+    lines[3] = lines[3].replace("\t", " ", 2)  # row 4: two cells merged
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match="row 4"):
+        evaluate(model, processor, "mmbench", bad, max_new_tokens=6, progress=False)
+    broken = make_vqav2(tmp_path / "v")
+    (broken / "images" / "COCO_val2014_000000000101.png").unlink()
+    with pytest.raises(DataError, match="COCO_val2014_000000000101"):
+        evaluate(model, processor, "vqav2", broken, max_new_tokens=6, progress=False)
+    with pytest.raises(ConfigError, match="unknown task"):
+        evaluate(model, processor, "gqa", vqa_dir, max_new_tokens=6, progress=False)
+    cfg_dir = tmp_path / "not_llava"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelError, match="LLaVA-style"):
+        load_model(str(cfg_dir), device="cpu")
+
+
+def test_two_accelerate_processes_equal_one(loaded, tiny_model_dir, vqa_dir, tmp_path):
+    model, processor = loaded
+    one = evaluate(
+        model,
+        processor,
+        "vqav2",
+        vqa_dir,
+        batch_size=2,
+        out_dir=tmp_path / "one",
+        max_new_tokens=6,
+        progress=False,
+    )
+    accelerate = Path(sys.executable).with_name("accelerate")
+    # accelerate's --cpu launcher starts one process unless MPI is set up; --multi_gpu starts the processes
+    # torchrun-style, and without a GPU they talk over gloo on the CPU
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "mm_oval.eval",
+           "--model", str(tiny_model_dir), "--task", "vqav2", "--data", str(vqa_dir),
+           "--batch-size", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "two"), "--no-progress", "--dtype", "float32"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    elapsed = time.perf_counter() - t
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(f"2-process accelerate launch took {elapsed:.1f} s")
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert two["run"]["world_size"] == 2
+    assert sorted(two["run"]["per_rank"]) == ["0", "1"]
+    assert {v["items"] for v in two["run"]["per_rank"].values()} == {4}
+    assert (tmp_path / "two" / "predictions.rank1.jsonl").exists()
+    assert _preds(tmp_path / "two") == _preds(tmp_path / "one")
+    assert _comparable(two) == json.loads(json.dumps(_comparable(one)))
