@@ -336,52 +336,75 @@ class PagedLayer(CacheLayerMixin):
         if self.owner.retrieval is not None and closed_now > closed_before:
             self._summarize(P0 + closed_before, P0 + closed_now)
 
+    def read_pages(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+        """(B, Hkv, P) bool: the pages each KV head reads at this step; None when it reads them all."""
+        owner = self.owner
+        if owner.retrieval is None or not self.summaries:
+            return None
+        P_s = next(iter(self.summaries.values())).shape[2]  # pages with a summary (closed pages)
+        kind = self.page_kind[..., :P_s]
+        plen = self.page_len[..., :P_s]
+        cand = (plen > 0) & ~self.page_pinned[..., :P_s]
+        if owner.config.retrieval_scope == "image":
+            cand &= kind == IMAGE
+        ctx = DecodeContext(
+            layer_idx=self.layer_idx,
+            query=query,
+            summaries=self.summaries,
+            page_start=self.page_start[..., :P_s],
+            page_len=plen,
+            page_kind=kind,
+            candidates=cand,
+            scaling=scaling,
+            module=self.module,
+            extra=owner.step_extra,
+        )
+        chosen = owner.retrieval.select(ctx, owner.config.read_budget) & cand
+        owner.counters["candidate_pages"] += cand.sum()
+        owner.counters["pages_read"] += chosen.sum()
+        B, H, P = self.page_len.shape
+        rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
+        return torch.cat([chosen | ~cand, rest], -1) & (self.page_len > 0)
+
     def read_mask(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """(B, Hkv, Q, L) bool: the slots each KV head reads for the Q newest tokens."""
         B, H, L = self.slot_valid.shape
         q = query.shape[2]
-        dev = query.device
-        mask = self.slot_valid.unsqueeze(2).expand(B, H, q, L).clone()
+        pages = self.read_pages(query, scaling)
+        slots = self.slot_valid
+        if pages is not None:
+            slots = slots & pages.gather(-1, self.slot_page.clamp(min=0))
+        mask = slots.unsqueeze(2).expand(B, H, q, L).clone()
         # the q newest slots: causal among themselves
-        new = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
-        mask[..., L - q :] = new
-        owner = self.owner
-        if owner.retrieval is not None and self.summaries:
-            P_s = next(iter(self.summaries.values())).shape[2]  # pages with a summary (closed pages)
-            kind = self.page_kind[..., :P_s]
-            plen = self.page_len[..., :P_s]
-            cand = (plen > 0) & ~self.page_pinned[..., :P_s]
-            if owner.config.retrieval_scope == "image":
-                cand &= kind == IMAGE
-            ctx = DecodeContext(
-                layer_idx=self.layer_idx,
-                query=query,
-                summaries=self.summaries,
-                page_start=self.page_start[..., :P_s],
-                page_len=plen,
-                page_kind=kind,
-                candidates=cand,
-                scaling=scaling,
-                module=self.module,
-                extra=owner.step_extra,
-            )
-            chosen = owner.retrieval.select(ctx, owner.config.read_budget)
-            read_page = chosen | ~cand  # non-candidates are always read (empty pages have no slots)
-            sp = self.slot_page
-            in_closed = (sp >= 0) & (sp < P_s)
-            read_slot = torch.where(in_closed, read_page.gather(-1, sp.clamp(min=0, max=P_s - 1)), True)
-            mask &= read_slot.unsqueeze(2)
-            n_cand = int(cand.sum())
-            if n_cand:
-                owner.counters["candidate_pages"] += n_cand
-                owner.counters["pages_read"] += int((chosen & cand).sum())
+        mask[..., L - q :] = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
         return mask
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Exact attention of `query` (B, Hq, Q, D) over the slots read; returns (B, Q, Hq, D)."""
+        """Exact attention of `query` (B, Hq, Q, D) over the slots read; returns (B, Q, Hq, D).
+        One token on the kernel path (CUDA by default): mm_oval.kernels.sparse_paged_decode over the pages
+        read; otherwise SDPA with a per-head mask."""
         B, Hq, q, D = query.shape
         H = self.keys.shape[1]
         G = Hq // H
+        if q == 1 and self.owner.use_kernels(query):
+            from . import kernels
+
+            pages = self.read_pages(query, scaling)
+            read = (self.page_len > 0) if pages is None else pages
+            P = read.shape[-1]
+            page_idx = torch.where(read, torch.arange(P, device=read.device), -1)
+            cfg = self.owner.config
+            out, _ = kernels.sparse_paged_decode(
+                query[:, :, 0],
+                self.keys,
+                self.values,
+                self.page_start,
+                self.page_len,
+                page_idx,
+                scale=scaling,
+                max_page_len=max(cfg.image_tile**2, cfg.text_page_size),
+            )
+            return out.unsqueeze(1)
         mask = self.read_mask(query, scaling)  # (B, H, q, L)
         # GQA without repeating keys: the G query heads of a KV head become G * q rows
         qg = query.reshape(B, H, G * q, D)
@@ -413,8 +436,12 @@ class PagedMultimodalCache(Cache):
         self.info: RequestInfo | None = None
         self.extra: dict[str, Any] = {}  # per request, shared by the layers' eviction calls
         self.step_extra: dict[str, Any] = {}  # per decode step, for retrieval policies (e.g. last_hidden)
-        self.counters = {"candidate_pages": 0, "pages_read": 0}
+        self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0}  # tensors once counted
+        self.kernels: bool | None = None  # decode through mm_oval.kernels; None = on CUDA only
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
+
+    def use_kernels(self, query: torch.Tensor) -> bool:
+        return query.is_cuda if self.kernels is None else self.kernels
 
     def prepare(
         self,

@@ -36,8 +36,8 @@ def cache_stats(cache: Any) -> dict[str, Any]:
         "decode_s": cache.timings["decode_s"],
         "decode_steps": cache.timings["decode_steps"],
     }
-    cand = cache.counters["candidate_pages"]
-    out["page_read_fraction"] = (cache.counters["pages_read"] / cand) if cand else None
+    cand = int(cache.counters["candidate_pages"])
+    out["page_read_fraction"] = (int(cache.counters["pages_read"]) / cand) if cand else None
     return out
 
 

@@ -322,3 +322,25 @@ def test_unknown_retrieval_lists_the_known_ones(model_and_processor):
     model, _ = model_and_processor
     with pytest.raises(ConfigError, match="unknown retrieval method 'nope'; known methods: .*quest"):
         mm_oval.wrap(model, retrieval="nope")
+
+
+@pytest.mark.parametrize("read_budget", [1.0, 0.3])
+def test_the_kernel_decode_path_equals_the_sdpa_path(model_and_processor, read_budget):
+    """mm_oval.kernels.sparse_paged_decode (its torch reference on CPU) over the pages read gives what
+    SDPA with the per-head slot mask gives."""
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    mm_oval.wrap(
+        model, method="h2o", budget=0.5, retrieval="quest", read_budget=read_budget, text_page_size=4
+    )
+    cache = prefill(model, **inputs)
+    for layer in cache.layers:
+        B, H, _, D = layer.keys.shape
+        for _ in range(5):  # one decode page closes on the way
+            layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+        q = torch.randn(B, 2 * H, 1, D)
+        cache.kernels = False
+        ref = layer.attend(q, D**-0.5)
+        cache.kernels = True
+        got = layer.attend(q, D**-0.5)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
