@@ -189,8 +189,12 @@ def _kv_stats(model: Any) -> dict[str, Any] | None:
     return {k: v for k, v in s.items() if k != "layers"}
 
 
+KV_TIME_KEYS = ("prefill_s", "decode_s")
+
+
 def summarize_kv(rows: list[dict]) -> dict[str, Any]:
-    """Totals over the requests of a run (each row: one generate call's stats)."""
+    """Totals over the requests of a run (each row: one generate call's stats, in item order).
+    Wall-clock figures are left out here (they go to the timings): these figures are reproducible."""
     if not rows:
         return {}
     full = sum(r.get("kv_bytes_full") or 0 for r in rows)
@@ -211,8 +215,6 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
             "kv_fraction_kept": kept / full if full else None,
             "image_kv_fraction_kept": mean("image_kv_fraction_kept"),
             "page_read_fraction": mean("page_read_fraction"),
-            "prefill_s": sum(r.get("prefill_s") or 0.0 for r in rows),
-            "decode_s": sum(r.get("decode_s") or 0.0 for r in rows),
             "decode_steps": sum(r.get("decode_steps") or 0 for r in rows),
         }
     )
@@ -480,7 +482,6 @@ def evaluate(
         )
 
     wrapped = apply_method(model, method, budget)
-    kv_rows: list[dict] = []
     appender = JsonlAppender(out / f"predictions.rank{rank}.jsonl") if out is not None else None
     t_gen = time.perf_counter()
     try:
@@ -500,12 +501,13 @@ def evaluate(
                 flat = [u[0] for u in batch]
                 answers = generate_batch(model, processor, flat, max_new)
             stats = _kv_stats(model)
-            if stats:
-                kv_rows.append(stats)
             for turn, (it, (text, ntok)) in enumerate(zip(flat, answers)):
                 rec = {"id": it.id, "prediction": text, "rank": rank, "new_tokens": ntok}
                 if multi_turn:
                     rec["turn"] = turn
+                if stats and turn == 0:
+                    # the request's KV figures travel with its first item, so a resumed run still has them
+                    rec["kv"] = stats
                 records[it.id] = rec
                 if appender is not None:
                     appender.write(rec)
@@ -519,15 +521,14 @@ def evaluate(
     gen_s = time.perf_counter() - t_gen
 
     # every rank contributes its stride; all_gather so every rank can return the same results
-    gathered = gather_object([(rank, list(records.values()), kv_rows, gen_s, n_new)])
+    gathered = gather_object([(rank, list(records.values()), gen_s, n_new)])
     all_records: dict[str, dict] = {}
-    all_kv: list[dict] = []
     per_rank = {}
-    for r, recs, kvs, gs, nn in gathered:
+    for r, recs, gs, nn in gathered:
         for rec in recs:
             all_records[rec["id"]] = rec
-        all_kv += kvs
         per_rank[str(r)] = {"items": len(recs), "new_items": nn, "generate_s": gs}
+    all_kv = [all_records[it.id]["kv"] for it in items if "kv" in all_records.get(it.id, {})]
     predictions = {i: rec["prediction"] for i, rec in all_records.items()}
 
     t_score = time.perf_counter()
@@ -552,6 +553,7 @@ def evaluate(
         "timings": {
             **(extra_timings or {}),
             "generate_s": gen_wall,
+            **{f"kv_{k}": sum(r.get(k) or 0.0 for r in all_kv) for k in KV_TIME_KEYS if all_kv},
             "score_s": score_s,
             "total_s": time.perf_counter() - t_start + sum((extra_timings or {}).values()),
             "items_per_s": total_new / gen_wall if gen_wall > 0 and total_new else None,

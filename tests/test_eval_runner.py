@@ -149,18 +149,13 @@ def test_batch_of_4_equals_batch_of_1(loaded, vqa_dir, tmp_path):
     assert rescored["scores"] == r1["scores"]
 
 
-def test_killed_run_resumes_to_the_same_results(loaded, vqa_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("method, budget", [("full", None), ("streamingllm", 0.5)])
+def test_killed_run_resumes_to_the_same_results(loaded, vqa_dir, tmp_path, monkeypatch, method, budget):
     model, processor = loaded
-    full = evaluate(
-        model,
-        processor,
-        "vqav2",
-        vqa_dir,
-        batch_size=2,
-        out_dir=tmp_path / "ref",
-        max_new_tokens=6,
-        progress=False,
-    )
+    kw = {"batch_size": 2, "max_new_tokens": 6, "progress": False, "method": method, "budget": budget}
+    full = evaluate(model, processor, "vqav2", vqa_dir, out_dir=tmp_path / "ref", **kw)
+    if method != "full":
+        assert full["kv"]["kv_fraction_kept"] < 1.0  # the KV figures are part of what must match
 
     real = runner.generate_batch
     calls = {"n": 0}
@@ -174,24 +169,21 @@ def test_killed_run_resumes_to_the_same_results(loaded, vqa_dir, tmp_path, monke
     monkeypatch.setattr(runner, "generate_batch", dies_after_two_batches)
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        evaluate(
-            model, processor, "vqav2", vqa_dir, batch_size=2, out_dir=out, max_new_tokens=6, progress=False
-        )
+        evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, **kw)
     assert not (out / "results.json").exists()
     assert len(_preds(out)) == 4
+    assert getattr(model, "_mm_oval", None) is None  # unwrapped even after the interruption
     # a crash in the middle of writing a record leaves half a line
     with open(out / "predictions.rank0.jsonl", "a") as f:
         f.write('{"id": "5", "predic')
     monkeypatch.setattr(runner, "generate_batch", real)
-    resumed = evaluate(
-        model, processor, "vqav2", vqa_dir, batch_size=2, out_dir=out, max_new_tokens=6, progress=False
-    )
+    resumed = evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, **kw)
     assert resumed["run"]["new_items"] == 4  # only the unfinished half was generated
     assert _comparable(resumed) == _comparable(full)
     assert _preds(out) == _preds(tmp_path / "ref")
-    again = evaluate(
-        model, processor, "vqav2", vqa_dir, batch_size=2, out_dir=out, max_new_tokens=6, progress=False
-    )
+    on_disk = json.loads((out / "results.json").read_text())
+    assert _comparable(on_disk) == json.loads(json.dumps(_comparable(full)))
+    again = evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, **kw)
     assert again["run"]["new_items"] == 0 and _comparable(again) == _comparable(full)
 
 

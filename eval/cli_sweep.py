@@ -1,0 +1,69 @@
+"""`mm-oval sweep`: evaluate methods x budgets on one task; write a markdown table and a PNG plot."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from .cli_eval import add_data_arguments, data_options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help="local path or Hub id of a LLaVA model ('bundled' = the tiny one)"
+    )
+    add_data_arguments(parser)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        required=True,
+        help="method specs: 'snapkv,knorm' or several arguments; a spec with options ('kvp:key=value,...') "
+        "is one argument",
+    )
+    parser.add_argument(
+        "--budgets", nargs="+", required=True, help="e.g. 0.1,0.25,0.5 (fractions) or 32,64 (tokens)"
+    )
+    parser.add_argument("--no-full", action="store_true", help="skip the full-cache reference run")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument(
+        "--multi-turn", type=int, metavar="K", help="K questions per image in one conversation (VQA)"
+    )
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", required=True, help="output directory (each cell resumable)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .runner import load_model, process_state
+    from .sweep import parse_budgets, parse_methods, run_sweep
+
+    methods = parse_methods(args.methods)
+    budgets = parse_budgets(args.budgets)
+    t0 = time.perf_counter()
+    model, processor = load_model(args.model, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    summary = run_sweep(
+        model,
+        processor,
+        args.task,
+        args.data,
+        methods,
+        budgets,
+        args.out,
+        include_full=not args.no_full,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        multi_turn=args.multi_turn,
+        model_name=args.model,
+        progress=not args.no_progress,
+        data_options=data_options(args),
+        extra_timings={"model_load_s": load_s},
+    )
+    if process_state().is_main_process:
+        from .sweep import markdown_table
+
+        print(markdown_table(summary))
+        print(f"table: {args.out}/sweep.md  plot: {args.out}/sweep.png")
+    return 0
