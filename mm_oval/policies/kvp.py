@@ -469,7 +469,6 @@ class KVPPolicy(EvictionPolicy):
         agents: str | Path | KVPAgents | LoadedAgents | None = None,
         model: Any = None,
         check_weights: bool = True,
-        **_: Any,
     ):
         if isinstance(agents, KVPAgents):
             loaded = LoadedAgents(agents, {}, {}, "<in-memory>")
