@@ -1,0 +1,321 @@
+"""The hybrid image-text page router: a small learned head that picks the pages each KV head reads at a
+decode step from the text state alone, without touching keys.
+
+For one decode step, layer l and KV head h (pages j of that head's table):
+
+- page embedding e_j = W_page LN(content_j) + kind_j, with content_j the mean of the LM input embeddings
+  of the page's tokens: for image tokens that is the model's own CLIP vision feature of the patch
+  through the LLaVA projector, for text tokens the LM token embedding, so image and text pages start in
+  one space (W_page is initialised from the principal directions of such contents, or, when a user
+  supplies an open_clip checkpoint, fitted to map contents onto that CLIP's joint image-text space);
+- text state t = W_text LN(last hidden state of the previous token);
+- hybrid fusion: t attends over the head's image pages (one cross-attention), f = CrossAttn(t, e_image);
+- a 2-layer MLP (hidden 64, GELU) over [t, f] and an output layer with LoRA (r 4, alpha 8) give one
+  routing vector u_{l,h} per layer and KV head;
+- logit_j = (u_{l,h} . e_j) / temperature - d_j / 32, temperature learned, d_j the page-index distance
+  to the newest page (the exp(-d/32) locality decay, in log space); the top pages are read.
+
+Trained by distillation from full attention (mm_oval.training.router, `mm-oval train-router`). Weights are
+safetensors plus a JSON config naming the model they were trained for; loading them for another model is
+a ModelError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, DataError, ModelError
+from .base import IMAGE, DecodeContext, PageBatch, RetrievalPolicy, register_retrieval
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "router.safetensors"
+CONFIG_FILE = "router.json"
+
+
+@dataclass
+class RouterConfig:
+    """Shapes of a router and the model it belongs to."""
+
+    hidden_size: int  # the LM's hidden size (input embeddings and hidden states)
+    num_layers: int
+    num_kv_heads: int
+    route_dim: int = 64
+    mlp_hidden: int = 64
+    lora_rank: int = 4
+    lora_alpha: float = 8.0
+    locality_tau: float = 32.0
+    model: dict[str, Any] = field(default_factory=dict)  # model_signature() of the model it was trained for
+    page_init: str = (
+        "pca"  # how W_page was initialised: "pca" (the model's own CLIP features) or "open_clip:..."
+    )
+
+    def validate(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_kv_heads", "route_dim", "mlp_hidden", "lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"router config: {name} must be an int >= 1, got {v!r}")
+        if self.locality_tau <= 0:
+            raise ConfigError(f"router config: locality_tau must be > 0, got {self.locality_tau}")
+
+
+def model_signature(model: Any) -> dict[str, Any]:
+    """What identifies the model a router was trained for: its shapes and a digest of its token embeddings."""
+    cfg = model.config
+    text = getattr(cfg, "text_config", cfg)
+    emb = model.get_input_embeddings().weight.detach()
+    digest = hashlib.sha256(emb.float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+    return {
+        "name": str(getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "")),
+        "model_type": str(getattr(cfg, "model_type", "")),
+        "hidden_size": int(text.hidden_size),
+        "num_layers": int(text.num_hidden_layers),
+        "num_heads": int(text.num_attention_heads),
+        "num_kv_heads": int(getattr(text, "num_key_value_heads", text.num_attention_heads)),
+        "vocab_size": int(text.vocab_size),
+        "embedding_digest": digest,
+    }
+
+
+def check_signature(saved: dict[str, Any], model: Any, where: str) -> None:
+    """Raise ModelError when a router saved for `saved` is loaded against another model."""
+    now = model_signature(model)
+    diff = [k for k in saved if k != "name" and k in now and saved[k] != now[k]]
+    if diff:
+        detail = ", ".join(f"{k}: router {saved[k]!r} vs model {now[k]!r}" for k in diff)
+        raise ModelError(
+            f"the router in {where} was trained for another model ({saved.get('name') or 'unnamed'}; {detail}); "
+            "train one for this model with `mm-oval train-router --model ...`"
+        )
+
+
+class LoRALinear(nn.Module):
+    """y = x W^T + b + (alpha / r) x A^T B^T, with B initialised to zero (the LoRA update starts at 0)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int, alpha: float):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.lora_a = nn.Parameter(torch.randn(rank, d_in) / math.sqrt(d_in))
+        self.lora_b = nn.Parameter(torch.zeros(d_out, rank))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.scale * (x @ self.lora_a.T) @ self.lora_b.T
+
+
+class HybridRouter(nn.Module):
+    """The router network (see the module docstring). Inputs are plain tensors, so training and the
+    cache share it: `embed_pages` once per page, `forward` per decode step and layer."""
+
+    def __init__(self, config: RouterConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        c = config
+        self.content_norm = nn.LayerNorm(c.hidden_size, elementwise_affine=False)
+        self.page_proj = nn.Linear(c.hidden_size, c.route_dim, bias=False)
+        self.kind_emb = nn.Embedding(2, c.route_dim)  # TEXT, IMAGE
+        nn.init.zeros_(self.kind_emb.weight)
+        self.text_norm = nn.LayerNorm(c.hidden_size)
+        self.text_proj = nn.Linear(c.hidden_size, c.route_dim)
+        self.xq = nn.Linear(c.route_dim, c.route_dim)
+        self.xk = nn.Linear(c.route_dim, c.route_dim)
+        self.xv = nn.Linear(c.route_dim, c.route_dim)
+        self.xo = nn.Linear(c.route_dim, c.route_dim)
+        self.mlp = nn.Sequential(nn.Linear(2 * c.route_dim, c.mlp_hidden), nn.GELU())
+        self.out = LoRALinear(
+            c.mlp_hidden, c.num_layers * c.num_kv_heads * c.route_dim, c.lora_rank, c.lora_alpha
+        )
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(math.sqrt(c.route_dim))))
+
+    # pages ------------------------------------------------------------------------------------------
+    def embed_pages(self, content: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+        """content (..., hidden) pooled input embeddings of each page, kind (...) TEXT/IMAGE/PAD ->
+        (..., route_dim)."""
+        e = self.page_proj(self.content_norm(content.float()))
+        return e + self.kind_emb((kind == IMAGE).long())
+
+    # one step ---------------------------------------------------------------------------------------
+    def routing_vectors(
+        self, last_hidden: torch.Tensor, page_emb: torch.Tensor, image_pages: torch.Tensor, layer_idx: int
+    ) -> torch.Tensor:
+        """last_hidden (B, hidden), page_emb (B, Hkv, P, R), image_pages (B, Hkv, P) bool -> u (B, Hkv, R)."""
+        c = self.config
+        b, hkv, p, r = page_emb.shape
+        t = self.text_proj(self.text_norm(last_hidden.float()))  # (B, R)
+        q = self.xq(t)[:, None, None, :]  # (B, 1, 1, R)
+        k, v = self.xk(page_emb), self.xv(page_emb)
+        att = (q * k).sum(-1) / math.sqrt(r)  # (B, Hkv, P)
+        att = att.masked_fill(~image_pages, float("-inf"))
+        w = torch.softmax(att, -1).nan_to_num(0.0)  # no image page: no fused term
+        fused = self.xo((w.unsqueeze(-1) * v).sum(-2))  # (B, Hkv, R)
+        z = self.mlp(torch.cat([t.unsqueeze(1).expand(b, hkv, r), fused], -1))
+        out = self.out(z).reshape(b, hkv, c.num_layers, c.num_kv_heads, r)
+        heads = torch.arange(hkv, device=out.device)
+        return out[:, heads, layer_idx, heads]  # (B, Hkv, R): head h's own vector
+
+    def forward(
+        self,
+        last_hidden: torch.Tensor,
+        page_emb: torch.Tensor,
+        page_kind: torch.Tensor,
+        page_valid: torch.Tensor,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        """Page logits (B, Hkv, P); -inf for pages that are not valid."""
+        image = page_valid & (page_kind == IMAGE)
+        u = self.routing_vectors(last_hidden, page_emb, image, layer_idx)
+        logits = (u.unsqueeze(-2) * page_emb).sum(-1) / self.log_temperature.exp()
+        p = page_emb.shape[-2]
+        # locality: distance in pages to the newest valid page of the head
+        idx = torch.arange(p, device=logits.device)
+        newest = torch.where(page_valid, idx, -1).amax(-1, keepdim=True)
+        dist = (newest - idx).clamp(min=0).float()
+        logits = logits - dist / self.config.locality_tau
+        return logits.masked_fill(~page_valid, float("-inf"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# saving and loading
+
+
+def save_router(router: HybridRouter, out_dir: str | Path) -> Path:
+    """Write router.safetensors and router.json into out_dir (each atomically)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()}
+    fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
+    os.close(fd)
+    save_file(state, tmp)
+    os.replace(tmp, out / WEIGHTS_FILE)
+    fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": "mm-oval-router-1", **asdict(router.config)}, f, indent=2)
+    os.replace(tmp, out / CONFIG_FILE)
+    return out
+
+
+def load_router(path: str | Path, model: Any = None) -> HybridRouter:
+    """Load a router directory; with `model`, check it was trained for that model (ModelError otherwise)."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise DataError(
+            f"{d}: not a router directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); train one with `mm-oval train-router`"
+        )
+    try:
+        raw = json.loads(cfg_path.read_text())
+        raw.pop("format", None)
+        config = RouterConfig(**raw)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise DataError(f"{cfg_path}: not a valid router config ({e})") from e
+    router = HybridRouter(config)
+    try:
+        router.load_state_dict(load_file(str(w_path)))
+    except (RuntimeError, OSError) as e:
+        raise DataError(f"{w_path}: weights do not match {cfg_path} ({e})") from e
+    if model is not None:
+        check_signature(config.model, model, str(d))
+    return router.eval()
+
+
+def bundled_router_path() -> Path:
+    """The router trained for the bundled tiny LLaVA (package data)."""
+    path = Path(str(resources.files("mm_oval.policies") / "router_tiny"))
+    if not (path / CONFIG_FILE).is_file():
+        raise ModelError(
+            f"no bundled router in {path}; train one with `mm-oval train-router` and pass retrieval_options="
+            "{'weights': DIR}"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# page contents
+
+
+def pool_page_content(
+    inputs_embeds: torch.Tensor, token_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean input embedding of each page's tokens.
+
+    inputs_embeds (B, N, hidden) of the prompt; token_index (B, Hkv, P, T) the prompt index of each page
+    token (-1 = empty slot or a generated token). Returns content (B, Hkv, P, hidden) and has_content
+    (B, Hkv, P) bool (False for pages without a prompt token)."""
+    b, n, hid = inputs_embeds.shape
+    ok = (token_index >= 0) & (token_index < n)
+    flat = token_index.clamp(0, n - 1).reshape(b, -1)  # (B, Hkv*P*T)
+    gathered = inputs_embeds.float().gather(1, flat.unsqueeze(-1).expand(-1, -1, hid))
+    gathered = gathered.view(*token_index.shape, hid)
+    w = ok.unsqueeze(-1).float()
+    count = w.sum(-2)
+    content = (gathered * w).sum(-2) / count.clamp_min(1.0)
+    return content, count.squeeze(-1) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the retrieval policy
+
+
+@register_retrieval
+class RouterRetrieval(RetrievalPolicy):
+    """Learned page retrieval. Options: `weights` (a router directory; default: the bundled tiny LLaVA's).
+
+    Needs from the cache: `PageBatch.token_index` and the prompt's `inputs_embeds` in `PageBatch.extra`
+    (page contents), and `DecodeContext.extra["last_hidden"]` (the previous token's final hidden state)."""
+
+    name: ClassVar[str] = "router"
+
+    def __init__(self, weights: str | Path | None = None, router: HybridRouter | None = None):
+        self.router = router if router is not None else load_router(weights or bundled_router_path())
+        self.router.eval()
+        self._checked: set[int] = set()
+
+    def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
+        token_index = getattr(pages, "token_index", None)
+        extra = getattr(pages, "extra", None) or {}
+        embeds = extra.get("inputs_embeds")
+        kind = pages.kind
+        if embeds is None or token_index is None:
+            if bool((kind == IMAGE).any()):  # image pages always come from the prompt: they need content
+                raise ConfigError(
+                    "the router needs page contents: PageBatch.token_index and extra['inputs_embeds'] "
+                    "(the prompt's input embeddings); this cache does not provide them"
+                )
+            content = torch.zeros(*kind.shape, self.router.config.hidden_size, device=pages.keys.device)
+        else:
+            content, _ = pool_page_content(embeds, token_index)
+        with torch.no_grad():
+            emb = self.router.to(content.device).embed_pages(content, kind)
+        return {"route_emb": emb}
+
+    def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
+        hidden = ctx.extra.get("last_hidden")
+        if hidden is None:
+            raise ConfigError(
+                "the router needs DecodeContext.extra['last_hidden'] (the previous token's hidden state)"
+            )
+        emb = ctx.summaries["route_emb"]
+        if hidden.shape[-1] != self.router.config.hidden_size:
+            raise ModelError(
+                f"the router expects hidden size {self.router.config.hidden_size}, the model has {hidden.shape[-1]}: "
+                "it was trained for another model; train one with `mm-oval train-router`"
+            )
+        with torch.no_grad():
+            return self.router(hidden, emb, ctx.page_kind, ctx.page_len > 0, ctx.layer_idx)

@@ -1,0 +1,510 @@
+"""Distil the hybrid page router from full attention.
+
+1. Capture (`capture_router_data`): the unmodified model answers each prompt with exact (eager) attention.
+   For every routed query (the last `prompt_queries` prompt positions and every decode step) and every
+   layer and KV head, the teacher is the attention mass full attention puts on each page (mean over the
+   group's query heads), pages laid out exactly as the cache lays them out (mm_oval.pages, nothing evicted).
+   The router's input for a query at position i is the final hidden state (output of the LM's last norm)
+   at position i - 1, what the wrapped model hands a retrieval policy at decode.
+2. Initialise the page projection from the model's own CLIP features (principal directions of the page
+   contents), or fit it to an open_clip checkpoint's joint image-text space when one is given.
+3. Train with a focal loss over the candidate pages against the teacher's soft targets (the page-mass
+   distribution over candidates), AdamW, and report on held-out prompts the share of candidate attention
+   mass that the router's top pages hold next to the oracle's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, DataError, ModelError
+from ..policies.base import IMAGE, PAD
+from ..policies.router import HybridRouter, RouterConfig, model_signature, pool_page_content
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterSample:
+    """One prompt's routing data. P pages (the same for every KV head: nothing is evicted), S routed queries."""
+
+    content: torch.Tensor  # (P, hidden) mean input embedding of each page
+    kind: torch.Tensor  # (P,) int8 TEXT / IMAGE
+    candidate: torch.Tensor  # (P,) bool: pages a read budget applies to (image, not pinned)
+    page_index: torch.Tensor  # (P,) long: order of the page in the table (for locality)
+    last_hidden: torch.Tensor  # (S, hidden): final hidden state of the token before each routed query
+    mass: torch.Tensor  # (S, L, Hkv, P): full attention mass per page (group mean)
+    tiles: list | None = None  # (P,) PIL crops / text of each page, for open_clip initialisation
+
+
+@dataclass
+class Prompt:
+    image: Any  # PIL image
+    text: str  # user text after the image
+
+
+def zoo_prompts(n: int, seed: int) -> list[Prompt]:
+    """Prompts from the bundled scene generator's train split (never the dev sets)."""
+    from ..zoo.generate import TrainSampler
+
+    sampler = TrainSampler(seed=seed)
+    out = []
+    for i in range(n):
+        item = sampler.item(i, 1)
+        if not item.questions:
+            continue
+        q = item.questions[0]
+        out.append(Prompt(item.image, q.mmbench_prompt() if q.options else q.vqa_prompt()))
+    return out
+
+
+def load_prompts(spec: str, seed: int = 0) -> list[Prompt]:
+    """`zoo:N` (the bundled generator's train split), `toy:N`, an MMBench TSV or a JSONL of {image, question}."""
+    if spec.startswith("zoo"):
+        n = int(spec.split(":", 1)[1]) if ":" in spec else 256
+        return zoo_prompts(n, seed)
+    from .traces import load_samples
+
+    samples = load_samples(spec, seed=seed)
+    out = [Prompt(s.images[0], s.question) for s in samples if s.images]
+    if not out:
+        raise DataError(f"router data {spec!r}: no sample with an image")
+    return out
+
+
+def _lm(model: Any) -> Any:
+    lm = getattr(getattr(model, "model", None), "language_model", None)
+    if lm is None or getattr(model.config, "image_token_id", None) is None:
+        raise ModelError(
+            f"{type(model).__name__} is not a LLaVA-style model (model.model.language_model and "
+            "config.image_token_id are needed)"
+        )
+    return lm
+
+
+@torch.no_grad()
+def capture_router_data(
+    model: Any,
+    processor: Any,
+    prompts: list[Prompt],
+    *,
+    max_new_tokens: int = 4,
+    prompt_queries: int = 4,
+    image_tile: int = 2,
+    text_page_size: int = 16,
+    sink_tokens: int = 4,
+    recent_tokens: int = 16,
+    keep_tiles: bool = False,
+) -> list[RouterSample]:
+    """Run the plain model with eager attention over each prompt and record the routing targets."""
+    from ..cache import request_info
+    from ..pages import layout_pages
+
+    lm = _lm(model)
+    cfg = model.config
+    text = cfg.text_config
+    hq, hkv = text.num_attention_heads, text.num_key_value_heads
+    group = hq // hkv
+    tokens_per_image = int(getattr(cfg, "image_seq_length", 0) or 0)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    box: dict[str, list] = {"hidden": [], "embeds": []}
+
+    def norm_hook(module, args, output):
+        box["hidden"].append(output.detach())
+
+    def pre_hook(module, args, kwargs):
+        if kwargs.get("inputs_embeds") is not None and not box["embeds"]:
+            box["embeds"].append(kwargs["inputs_embeds"].detach())
+
+    hooks = [
+        lm.norm.register_forward_hook(norm_hook),
+        lm.register_forward_pre_hook(pre_hook, with_kwargs=True),
+    ]
+    out: list[RouterSample] = []
+    try:
+        for prompt in prompts:
+            box["hidden"].clear()
+            box["embeds"].clear()
+            msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
+            chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
+            inputs = processor(images=[prompt.image], text=[chat], return_tensors="pt").to(model.device)
+            ids = inputs["input_ids"]
+            n = ids.shape[1]
+            gen = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_attentions=True,
+                return_dict_in_generate=True,
+            )
+            tpi = tokens_per_image or int((ids == cfg.image_token_id).sum())
+            info = request_info(ids, None, cfg.image_token_id, tpi, sink_tokens, recent_tokens)
+            keep = (info.modality != PAD).unsqueeze(1).expand(1, hkv, n)
+            lay = layout_pages(
+                keep, info.modality, info.positions, info.image_rc, info.protected, image_tile, text_page_size
+            )
+            page_len, kind = lay.page_len[0, 0], lay.page_kind[0, 0]
+            valid = page_len > 0
+            p = int(valid.sum())
+            tok_page = torch.full((n,), -1, dtype=torch.long, device=ids.device)
+            slot_ok = lay.src[0, 0] >= 0
+            tok_page[lay.src[0, 0][slot_ok]] = lay.slot_page[0, 0][slot_ok]
+            # prompt index of every page token, as the cache hands it to a policy
+            t = int(page_len.max())
+            offs = torch.arange(t, device=ids.device)
+            token_index = torch.where(
+                offs < page_len[:p, None],
+                lay.src[0, 0]
+                .gather(0, (lay.page_start[0, 0, :p, None] + offs).clamp(max=lay.src.shape[-1] - 1).flatten())
+                .view(p, t),
+                -1,
+            )
+            content, _ = pool_page_content(box["embeds"][0], token_index[None, None])
+            candidate = (kind[:p] == IMAGE) & ~lay.page_pinned[0, 0, :p]
+            # routed queries: the last prompt positions (first answer token) and every decode step
+            atts = gen.attentions  # per forward call: per layer (1, Hq, q, kv)
+            hid = box["hidden"]
+            lasts, masses = [], []
+            first_q = max(n - prompt_queries, int(info.image_rc[0, :, 0].ge(0).nonzero().max()) + 2)
+            for i in range(first_q, n):  # prompt rows: query i, router input = hidden at i - 1
+                lasts.append(hid[0][0, i - 1])
+                masses.append(torch.stack([a[0, :, i, :n] for a in atts[0]]))  # (L, Hq, n)
+            for s in range(1, len(atts)):
+                lasts.append(hid[s - 1][0, -1])
+                masses.append(torch.stack([a[0, :, -1, :n] for a in atts[s]]))
+            if not lasts:
+                continue
+            a = torch.stack(masses).float()  # (S, L, Hq, n)
+            a = a.view(a.shape[0], a.shape[1], hkv, group, n).mean(3)  # group mean
+            mass = torch.zeros(*a.shape[:3], p, device=a.device)
+            mass.scatter_add_(-1, tok_page.clamp(min=0).expand_as(a), a * (tok_page >= 0).float())
+            tiles = _page_tiles(prompt.image, processor, lay, info, p, tok_page, ids) if keep_tiles else None
+            out.append(
+                RouterSample(
+                    content=content[0, 0].cpu(),
+                    kind=kind[:p].cpu(),
+                    candidate=candidate.cpu(),
+                    page_index=torch.arange(p),
+                    last_hidden=torch.stack(lasts).float().cpu(),
+                    mass=mass.cpu(),
+                    tiles=tiles,
+                )
+            )
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_attn_implementation(previous)
+    if not out:
+        raise DataError("no routed query was captured: the prompts produced no decode step")
+    return out
+
+
+def _page_tiles(image, processor, lay, info, p, tok_page, ids) -> list:
+    """What each page shows, for an open_clip encoder: the image crop of an image tile, the words of a text page."""
+    size = processor.image_processor.crop_size
+    img = image.convert("RGB").resize((size["width"], size["height"]))
+    rc = info.image_rc[0]
+    grid = int(rc[:, 1].max()) + 1
+    cell_w, cell_h = img.width / grid, img.height / grid
+    words = processor.tokenizer.convert_ids_to_tokens(ids[0])
+    tiles: list = []
+    for j in range(p):
+        toks = (tok_page == j).nonzero().flatten()
+        if lay.page_kind[0, 0, j] == IMAGE:
+            r = rc[toks, 1]
+            c = rc[toks, 2]
+            box = (
+                int(c.min() * cell_w),
+                int(r.min() * cell_h),
+                int((c.max() + 1) * cell_w),
+                int((r.max() + 1) * cell_h),
+            )
+            tiles.append(img.crop(box))
+        else:
+            tiles.append(" ".join(words[i] for i in toks.tolist()))
+    return tiles
+
+
+# ---------------------------------------------------------------------------------------------------------
+# initialisation of the page projection
+
+
+def pca_page_init(router: HybridRouter, samples: list[RouterSample]) -> None:
+    """W_page = the top principal directions of the (normalised) page contents: the model's own CLIP
+    features for image pages and token embeddings for text pages, kept in one space."""
+    x = torch.cat([s.content for s in samples]).float()
+    x = router.content_norm(x)
+    x = x - x.mean(0, keepdim=True)
+    r = router.config.route_dim
+    _, sv, vh = torch.linalg.svd(x, full_matrices=False)
+    k = min(r, vh.shape[0])
+    w = torch.zeros(r, x.shape[1])
+    w[:k] = vh[:k] * math.sqrt(r) / math.sqrt(k)  # orthonormal rows, scaled so embeddings have O(1) entries
+    if k < r:
+        w[k:] = torch.randn(r - k, x.shape[1]) / math.sqrt(x.shape[1])
+    with torch.no_grad():
+        router.page_proj.weight.copy_(w)
+    router.config.page_init = "pca"
+
+
+def clip_page_init(router: HybridRouter, samples: list[RouterSample], encoder: Any, name: str) -> None:
+    """Fit W_page by least squares so that W_page LN(content_j) matches the open_clip embedding of page j
+    (image crop or page words), i.e. the router's page space starts as that CLIP's joint space.
+    The router's route_dim must equal the CLIP embedding width."""
+    contents, targets = [], []
+    for s in samples:
+        if s.tiles is None:
+            raise ConfigError("open_clip initialisation needs the page tiles: capture with keep_tiles=True")
+        imgs = [(j, t) for j, t in enumerate(s.tiles) if not isinstance(t, str)]
+        txts = [(j, t) for j, t in enumerate(s.tiles) if isinstance(t, str)]
+        emb = torch.zeros(len(s.tiles), encoder.dim)
+        if imgs:
+            emb[[j for j, _ in imgs]] = encoder.encode_images([t for _, t in imgs])
+        if txts:
+            emb[[j for j, _ in txts]] = encoder.encode_texts([t for _, t in txts])
+        contents.append(s.content)
+        targets.append(emb)
+    x = router.content_norm(torch.cat(contents).float())
+    y = torch.cat(targets)
+    if y.shape[1] != router.config.route_dim:
+        raise ConfigError(
+            f"the CLIP model embeds into {y.shape[1]} dims but the router's route_dim is {router.config.route_dim}"
+        )
+    w = torch.linalg.lstsq(x, y, driver="gelsd").solution  # (hidden, E)
+    with torch.no_grad():
+        router.page_proj.weight.copy_(w.T * math.sqrt(y.shape[1]))
+    router.config.page_init = f"open_clip:{name}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training
+
+
+def focal_loss(
+    logits: torch.Tensor, target: torch.Tensor, candidate: torch.Tensor, gamma: float = 2.0
+) -> torch.Tensor:
+    """Soft-target focal loss over candidate pages: -sum_j t_j (1 - p_j)^gamma log p_j, with p the softmax
+    of the logits over the candidates and t the teacher's page-mass distribution over them.
+    logits/target (..., P), candidate (..., P) bool -> mean over rows that have teacher mass."""
+    logits = logits.masked_fill(~candidate, float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    t = target * candidate
+    total = t.sum(-1, keepdim=True)
+    rows = total.squeeze(-1) > 0
+    t = t / total.clamp_min(1e-12)
+    p = logp.exp()
+    per = -(t * (1 - p).pow(gamma) * logp.masked_fill(~candidate, 0.0)).sum(-1)
+    return per[rows].mean() if bool(rows.any()) else logits.new_zeros(())
+
+
+@dataclass
+class RouterBatch:
+    """Routed queries of several samples, padded to the same page count. R rows (one per routed query)."""
+
+    content: torch.Tensor  # (R, P, hidden)
+    kind: torch.Tensor  # (R, P) int8
+    valid: torch.Tensor  # (R, P) bool
+    candidate: torch.Tensor  # (R, P) bool
+    last_hidden: torch.Tensor  # (R, hidden)
+    mass: torch.Tensor  # (R, L, Hkv, P)
+
+
+def collate(samples: list[RouterSample]) -> RouterBatch:
+    p = max(s.content.shape[0] for s in samples)
+    rows = []
+    for s in samples:
+        n, pad = s.last_hidden.shape[0], p - s.content.shape[0]
+        rows.append(
+            (
+                F.pad(s.content, (0, 0, 0, pad)).expand(n, p, -1),
+                F.pad(s.kind, (0, pad), value=PAD).expand(n, p),
+                F.pad(torch.ones_like(s.candidate), (0, pad)).expand(n, p),
+                F.pad(s.candidate, (0, pad)).expand(n, p),
+                s.last_hidden,
+                F.pad(s.mass, (0, pad)),
+            )
+        )
+    return RouterBatch(*(torch.cat(parts) for parts in zip(*rows)))
+
+
+def batch_logits(router: HybridRouter, b: RouterBatch, layer: int) -> torch.Tensor:
+    """(R, Hkv, P) router logits of every routed query for one layer."""
+    hkv = b.mass.shape[2]
+    emb = router.embed_pages(b.content, b.kind)  # (R, P, E)
+    r, p = b.kind.shape
+    return router(
+        b.last_hidden,
+        emb.unsqueeze(1).expand(r, hkv, p, -1),
+        b.kind.unsqueeze(1).expand(r, hkv, p),
+        b.valid.unsqueeze(1).expand(r, hkv, p),
+        layer,
+    )
+
+
+@torch.no_grad()
+def evaluate_capture(
+    router: HybridRouter, samples: list[RouterSample], read_budget: float = 0.25
+) -> dict[str, float]:
+    """Share of the candidate pages' attention mass held by the top ceil(read_budget * candidates) pages
+    (per routed query, layer and KV head, averaged): the router's pick, the oracle's (the best possible at
+    that budget) and a random pick (its expected share)."""
+    got = best = rand = 0.0
+    rows = 0
+    for start in range(0, len(samples), 64):
+        b = collate(samples[start : start + 64])
+        n_cand = b.candidate.sum(-1)  # (R,)
+        keep = n_cand > 0
+        k_row = torch.ceil(n_cand.double() * read_budget - 1e-9).long().clamp(min=1)
+        for layer in range(b.mass.shape[1]):
+            m = b.mass[:, layer] * b.candidate.unsqueeze(1)  # (R, Hkv, P)
+            tot = m.sum(-1).clamp_min(1e-12)
+            logits = batch_logits(router, b, layer).masked_fill(~b.candidate.unsqueeze(1), float("-inf"))
+            rank_r = logits.argsort(-1, descending=True).argsort(-1)
+            rank_o = m.argsort(-1, descending=True).argsort(-1)
+            k = k_row.view(-1, 1, 1)
+            share_r = (m * (rank_r < k)).sum(-1) / tot
+            share_o = (m * (rank_o < k)).sum(-1) / tot
+            got += float(share_r[keep].sum())
+            best += float(share_o[keep].sum())
+            rand += float((k_row.double() / n_cand.clamp(min=1)).unsqueeze(1).expand_as(tot)[keep].sum())
+            rows += int(keep.sum()) * tot.shape[1]
+    return {"router": got / max(rows, 1), "oracle": best / max(rows, 1), "random": rand / max(rows, 1)}
+
+
+@dataclass
+class TrainOptions:
+    epochs: int = 30
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    gamma: float = 2.0
+    batch: int = 16
+    lora_only: bool = False  # fine-tune only the output layer's LoRA (adapting a trained router)
+    seed: int = 0
+    read_budget: float = 0.25  # the budget the held-out capture is reported at
+
+
+def train_router(
+    router: HybridRouter,
+    train: list[RouterSample],
+    val: list[RouterSample] | None = None,
+    options: TrainOptions | None = None,
+    progress: Any = None,
+) -> list[dict[str, float]]:
+    """Distil the router on captured samples; returns one dict per epoch (loss, held-out capture)."""
+    o = options or TrainOptions()
+    if not train:
+        raise DataError("no training sample for the router")
+    torch.manual_seed(o.seed)
+    rng = random.Random(o.seed)
+    if o.lora_only:
+        for name, p in router.named_parameters():
+            p.requires_grad_(name.startswith("out.lora_"))
+    params = [p for p in router.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+    steps = o.epochs * math.ceil(len(train) / o.batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=o.lr, total_steps=max(steps, 1), pct_start=0.1)
+    history = []
+    router.train()
+    num_layers = train[0].mass.shape[1]
+    for epoch in range(o.epochs):
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        total, count = 0.0, 0
+        for start in range(0, len(order), o.batch):
+            b = collate([train[i] for i in order[start : start + o.batch]])
+            cand = b.candidate.unsqueeze(1).expand(-1, b.mass.shape[2], -1)
+            loss = (
+                sum(
+                    focal_loss(batch_logits(router, b, layer), b.mass[:, layer], cand, o.gamma)
+                    for layer in range(num_layers)
+                )
+                / num_layers
+            )
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            total += loss.item()
+            count += 1
+        row = {"epoch": epoch + 1, "loss": total / max(count, 1)}
+        if val:
+            router.eval()
+            row.update({f"val_{k}": v for k, v in evaluate_capture(router, val, o.read_budget).items()})
+            router.train()
+        history.append(row)
+        log.info(
+            "router epoch %d: %s",
+            epoch + 1,
+            ", ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch"),
+        )
+        if progress is not None:
+            progress(row)
+    router.eval()
+    for p in router.parameters():
+        p.requires_grad_(True)
+    return history
+
+
+def new_router(model: Any, **sizes: Any) -> HybridRouter:
+    """A fresh router shaped for `model` (its config records the model's signature)."""
+    text = model.config.text_config
+    cfg = RouterConfig(
+        hidden_size=int(text.hidden_size),
+        num_layers=int(text.num_hidden_layers),
+        num_kv_heads=int(text.num_key_value_heads),
+        model=model_signature(model),
+        **sizes,
+    )
+    return HybridRouter(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# open_clip: a user-supplied CLIP checkpoint that embeds image crops and text into one space
+
+
+class OpenClipPageEncoder:
+    """Embeds page image crops and page text with an open_clip model. `pretrained=None` builds the
+    architecture with random weights (tests); a tag or a local checkpoint path loads real weights, and one
+    that cannot be loaded offline raises ModelError."""
+
+    def __init__(self, model_name: str, pretrained: str | None = None, device: str = "cpu"):
+        import open_clip
+
+        if model_name not in open_clip.list_models():
+            raise ConfigError(
+                f"unknown open_clip model {model_name!r}; known e.g. ViT-B-32, RN50 (open_clip.list_models())"
+            )
+        try:
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                model_name, pretrained=pretrained, device=device
+            )
+        except Exception as e:  # noqa: BLE001 - open_clip raises several types when weights are unreachable
+            raise ModelError(
+                f"cannot load open_clip weights {pretrained!r} for {model_name}: {e}. Offline, pass a local "
+                "checkpoint file with --clip-pretrained /path/to/open_clip_model.bin (or .safetensors)"
+            ) from e
+        self.model = model.eval()
+        self.preprocess = preprocess
+        self.tokenizer = open_clip.get_tokenizer(model_name)
+        self.device = device
+        with torch.no_grad():
+            self.dim = int(self.encode_texts(["a"]).shape[-1])
+
+    @torch.no_grad()
+    def encode_images(self, images: list) -> torch.Tensor:
+        x = torch.stack([self.preprocess(im) for im in images]).to(self.device)
+        return F.normalize(self.model.encode_image(x).float(), dim=-1).cpu()
+
+    @torch.no_grad()
+    def encode_texts(self, texts: list[str]) -> torch.Tensor:
+        tok = self.tokenizer(texts).to(self.device)
+        return F.normalize(self.model.encode_text(tok).float(), dim=-1).cpu()

@@ -1,0 +1,162 @@
+"""The hybrid page router as a network: shapes and masking, locality, saving/loading against the right
+model only, the focal distillation loss, and that training learns a content-matching routing rule."""
+
+import math
+
+import pytest
+import torch
+
+from mm_oval.errors import ConfigError, DataError, ModelError
+from mm_oval.policies.base import IMAGE, TEXT
+from mm_oval.policies.router import (
+    HybridRouter,
+    RouterConfig,
+    load_router,
+    model_signature,
+    pool_page_content,
+    save_router,
+)
+from mm_oval.training.router import (
+    RouterSample,
+    TrainOptions,
+    evaluate_capture,
+    focal_loss,
+    new_router,
+    pca_page_init,
+    train_router,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These ops are tiny: one intra-op thread is fastest, and far faster on a loaded machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _router(**kw):
+    return HybridRouter(RouterConfig(hidden_size=32, num_layers=3, num_kv_heads=2, route_dim=16, **kw))
+
+
+def test_logits_mask_invalid_pages_and_decay_with_page_distance():
+    torch.manual_seed(0)
+    r = _router()
+    emb = torch.zeros(1, 2, 5, 16)  # identical pages: only locality separates them
+    kind = torch.full((1, 2, 5), IMAGE, dtype=torch.int8)
+    valid = torch.tensor([True, True, True, True, False]).expand(1, 2, 5)
+    logits = r(torch.randn(1, 32), emb, kind, valid, layer_idx=1)
+    assert logits.shape == (1, 2, 5)
+    assert torch.isinf(logits[..., 4]).all()
+    # exp(-d/32) decay from the newest valid page (index 3)
+    assert torch.allclose(
+        logits[..., :4] - logits[..., 3:4], -torch.tensor([3.0, 2.0, 1.0, 0.0]) / 32, atol=1e-5
+    )
+
+
+def test_each_layer_and_head_gets_its_own_routing_vector_and_lora_starts_at_zero():
+    torch.manual_seed(1)
+    r = _router()
+    h = torch.randn(2, 32)
+    emb = torch.randn(2, 2, 6, 16)
+    img = torch.ones(2, 2, 6, dtype=torch.bool)
+    u0 = r.routing_vectors(h, emb, img, 0)
+    u2 = r.routing_vectors(h, emb, img, 2)
+    assert u0.shape == (2, 2, 16)
+    assert not torch.allclose(u0, u2)
+    x = torch.randn(3, r.config.mlp_hidden)
+    assert torch.allclose(r.out(x), r.out.base(x))  # B = 0: LoRA adds nothing before training
+
+
+def test_pool_page_content_averages_the_page_tokens_only():
+    embeds = torch.arange(12, dtype=torch.float).view(1, 6, 2)  # token i has embedding (2i, 2i+1)
+    idx = torch.tensor([[[[0, 1, -1], [4, -1, -1], [-1, -1, -1]]]])  # (1, 1, 3 pages, 3 slots)
+    content, has = pool_page_content(embeds, idx)
+    assert content[0, 0, 0].tolist() == [1.0, 2.0]
+    assert content[0, 0, 1].tolist() == [8.0, 9.0]
+    assert has.tolist() == [[[True, True, False]]]
+
+
+def test_focal_loss_prefers_the_teacher_pages_and_ignores_non_candidates():
+    target = torch.tensor([[0.7, 0.3, 0.0, 5.0]])
+    cand = torch.tensor([[True, True, True, False]])
+    good = focal_loss(torch.tensor([[3.0, 2.0, -3.0, 0.0]]), target, cand)
+    bad = focal_loss(torch.tensor([[-3.0, -2.0, 3.0, 0.0]]), target, cand)
+    assert good < bad
+    # the non-candidate's logit and teacher mass do not matter
+    assert focal_loss(torch.tensor([[3.0, 2.0, -3.0, 99.0]]), target, cand) == pytest.approx(float(good))
+    # with gamma = 0 it is the soft cross-entropy
+    logits = torch.tensor([[0.5, 0.1, -0.2, 0.0]])
+    ce = -(torch.tensor([0.7, 0.3, 0.0]) * torch.log_softmax(logits[0, :3], -1)).sum()
+    assert focal_loss(logits, target, cand, gamma=0.0) == pytest.approx(float(ce), rel=1e-5)
+
+
+def _content_task(n, seed, pages=12, hidden=32, layers=3, hkv=2):
+    """Attention goes to the page whose content the hidden state points at: a router that reads content
+    can learn it, a random pick holds 1/pages of the mass."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        content = torch.randn(pages, hidden, generator=g)
+        target = torch.randint(0, pages, (6,), generator=g)
+        hidden_state = content[target] + 0.3 * torch.randn(6, hidden, generator=g)
+        mass = torch.full((6, layers, hkv, pages), 0.02)
+        mass[torch.arange(6), :, :, target] = 1.0
+        kind = torch.full((pages,), IMAGE, dtype=torch.int8)
+        out.append(
+            RouterSample(
+                content, kind, torch.ones(pages, dtype=torch.bool), torch.arange(pages), hidden_state, mass
+            )
+        )
+    return out
+
+
+def test_distillation_learns_a_content_matching_rule():
+    torch.manual_seed(0)
+    train, val = _content_task(48, 1), _content_task(16, 2)
+    r = _router()
+    pca_page_init(r, train)
+    before = evaluate_capture(r, val, read_budget=1 / 12)
+    history = train_router(r, train, val, TrainOptions(epochs=25, lr=1e-2, batch=8, read_budget=1 / 12))
+    after = history[-1]
+    assert after["val_random"] == pytest.approx(1 / 12, abs=1e-6)
+    assert after["val_router"] > max(0.5, before["router"] + 0.2)
+    assert after["val_router"] <= after["val_oracle"] + 1e-6
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_lora_only_training_changes_nothing_but_the_lora_factors():
+    torch.manual_seed(0)
+    r = _router()
+    before = {k: v.clone() for k, v in r.state_dict().items()}
+    train_router(r, _content_task(8, 3), None, TrainOptions(epochs=2, batch=4, lora_only=True))
+    changed = {k for k, v in r.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"out.lora_a", "out.lora_b"}
+
+
+def test_save_load_round_trip_and_a_router_for_another_model_is_refused(tmp_path, tiny_random_llava):
+    from mm_oval.zoo.model import build_tiny_llava
+
+    model, _ = tiny_random_llava
+    r = new_router(model)
+    save_router(r, tmp_path)
+    back = load_router(tmp_path, model)
+    h, emb = torch.randn(1, 128), torch.randn(1, 2, 4, 64)
+    kind = torch.full((1, 2, 4), TEXT, dtype=torch.int8)
+    valid = torch.ones(1, 2, 4, dtype=torch.bool)
+    assert torch.allclose(back(h, emb, kind, valid, 3), r(h, emb, kind, valid, 3))
+    assert back.config.model == model_signature(model)
+    other, _ = build_tiny_llava(seed=5)  # same shapes, other weights
+    with pytest.raises(ModelError, match="another model"):
+        load_router(tmp_path, other)
+    with pytest.raises(DataError, match="router"):
+        load_router(tmp_path / "missing")
+
+
+def test_bad_router_configs_raise_config_errors():
+    with pytest.raises(ConfigError, match="route_dim"):
+        HybridRouter(RouterConfig(hidden_size=8, num_layers=1, num_kv_heads=1, route_dim=0))
+    with pytest.raises(ConfigError, match="locality_tau"):
+        HybridRouter(RouterConfig(hidden_size=8, num_layers=1, num_kv_heads=1, locality_tau=-1.0))
+    assert math.isclose(_router().log_temperature.exp().item(), 4.0, rel_tol=1e-6)
