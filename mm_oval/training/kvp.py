@@ -429,11 +429,11 @@ def _evicted_shared(
 ) -> tuple[float, float]:
     """One ranking over all heads of the layer (per-head log-softmax normalised unless the scores are
     already on one scale), the same total budget as `frac` per head."""
-    s = scores.masked_fill(~valid, float("-inf"))
+    s = torch.nan_to_num(scores.float(), nan=0.0, posinf=1e9, neginf=-1e9).masked_fill(~valid, float("-inf"))
     if normalise:
         s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+    keep = sum(math.ceil(frac * int(m)) for m in valid.sum(-1))  # as many tokens as the uniform budgets
     s, uu = s[valid], u[valid]
-    keep = math.ceil(frac * int(valid.sum()))
     order = torch.argsort(s, descending=True)
     return float(uu[order[keep:]].sum()), float(uu.sum())
 

@@ -1,0 +1,248 @@
+"""KVP benchmark: held-out normalised cost against the baselines, ablations, head-budget sharing, and the
+cost of scoring relative to the prefill it follows. Prints tables; writes a JSON of every figure.
+
+    python benchmarks/bench_kvp.py --model bundled --work runs/kvp_bench \
+        --train-traces runs/kvp/traces/train --heldout-traces runs/kvp/traces/heldout
+
+Held-out traces are captured into --work when not given (--heldout zoo:heldout:200). Ablation variants are
+trained on --train-traces with the same settings as the committed agents (--ablation-steps) and evaluated on
+the same held-out traces; without --train-traces the ablations are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from mm_oval.policies.base import make_eviction
+from mm_oval.policies.kvp import KVPAgentConfig, _atomic_write_bytes, bundled_agents_path, load_agents
+from mm_oval.training.kvp import (
+    TrainConfig,
+    agent_scorer,
+    heldout_cost,
+    oracle_scorer,
+    policy_scorer,
+    train_agents,
+)
+from mm_oval.training.traces import capture_sample, capture_traces, iter_traces, load_samples
+
+log = logging.getLogger("bench_kvp")
+BUDGETS = (0.1, 0.25, 0.5)
+BASELINES = ("random", "streamingllm", "knorm", "keydiff", "h2o", "tova", "snapkv")
+ATTENTION_FREE = {"kvp", "random", "streamingllm", "knorm", "keydiff"}
+
+
+def table(rows: dict[str, dict], title: str, shared: bool = False) -> str:
+    head = f"{'method':<26}{'cost':>8}{'cost img':>10}"
+    head += "".join(f"{'ev' + str(int(b * 100)):>8}" for b in BUDGETS)
+    head += "".join(f"{'img' + str(int(b * 100)):>8}" for b in BUDGETS)
+    out = [title, head]
+    for name, r in rows.items():
+        line = f"{name:<26}{r['cost']:>8.4f}{r['cost_image']:>10.4f}"
+        line += "".join(f"{r['evicted'][b]:>8.2f}" for b in BUDGETS)
+        line += "".join(f"{r['evicted_image'][b]:>8.2f}" for b in BUDGETS)
+        out.append(line)
+    return "\n".join(out)
+
+
+def load_model(spec: str):
+    from mm_oval.training.cli_kvp import load_model as _load
+
+    return _load(spec, "cpu")
+
+
+def scoring_cost(model, processor, agents, samples, reps: int = 5) -> dict:
+    """Median wall time of one prefill (the model's forward over the prompt) and of KVP scoring every layer's
+    KV heads for that prompt, measured alternately in one run; plus the FLOP ratio of the two."""
+    from mm_oval.training.traces import _conversation, _tokenise
+
+    prefill, scoring = [], []
+    n_tokens = []
+    for s in samples:
+        tr = capture_sample(model, processor, s, store_queries=False)
+        prompt = processor.apply_chat_template(_conversation(s, None), add_generation_prompt=True)
+        inputs = _tokenise(processor, s, prompt)
+        L = tr["keys"].shape[0]
+        pos = tr["positions"][None].long()
+        mod = tr["modality"][None].long()
+        rc = tr["image_rc"][None].long()
+        keys = [tr["keys"][i][None].float() for i in range(L)]
+        vals = [tr["values"][i][None].float() for i in range(L)]
+        n_tokens.append(pos.shape[1])
+        with torch.no_grad():
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                model(**inputs, use_cache=True)
+                t1 = time.perf_counter()
+                for i in range(L):
+                    agents.score_layer(i, keys[i], vals[i], pos, mod, rc)
+                t2 = time.perf_counter()
+                prefill.append(t1 - t0)
+                scoring.append(t2 - t1)
+    c = agents.config
+    per_token_agent = 2 * (2 * c.head_dim * c.proj + (2 * c.proj + c.pos_dim) * c.hidden + c.hidden)
+    if c.extra_width:
+        per_token_agent += 2 * (c.extra_width * c.extra_dim + c.extra_dim * c.hidden)
+    kvp_flops = per_token_agent * c.num_layers * c.num_kv_heads
+    lm_params = sum(
+        p.numel() for n, p in model.named_parameters() if "language_model" in n and "embed" not in n
+    )
+    model_flops = 2 * lm_params  # per prompt token, language model only (attention over the prompt excluded)
+    # the paper-size agent on LLaVA-1.5-7B's shape (32 layers x 32 KV heads, d 128; ~6.5 G non-embedding params)
+    big_agent = 2 * (2 * 128 * 256 + (2 * 256 + 32) * 256 + 256)
+    big = big_agent * 32 * 32 / (2 * 6.5e9)
+    med_p, med_s = statistics.median(prefill), statistics.median(scoring)
+    return {
+        "prompt_tokens": statistics.median(n_tokens),
+        "prefill_ms": 1e3 * med_p,
+        "kvp_scoring_ms": 1e3 * med_s,
+        "time_ratio": med_s / med_p,
+        "kvp_flops_per_token": kvp_flops,
+        "lm_flops_per_token": model_flops,
+        "flop_ratio": kvp_flops / model_flops,
+        "flop_ratio_llava7b_paper_agents": big,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="bundled")
+    ap.add_argument("--agents", default=None, help="agents directory (default: the bundled agents)")
+    ap.add_argument("--work", default="runs/kvp_bench", help="where captured traces and ablation runs go")
+    ap.add_argument(
+        "--heldout", default="zoo:heldout:200", help="held-out prompts, when --heldout-traces is not given"
+    )
+    ap.add_argument("--followups", type=int, default=1)
+    ap.add_argument("--heldout-traces", default=None)
+    ap.add_argument("--train-traces", default=None, help="train traces for the ablations (skipped without)")
+    ap.add_argument("--ablation-steps", type=int, default=None, help="default: the committed agents' steps")
+    ap.add_argument("--timing-samples", type=int, default=8)
+    ap.add_argument("--out", default="benchmarks/results/kvp.json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+
+    loaded = load_agents(args.agents or bundled_agents_path())
+    model, processor = load_model(args.model)
+    from mm_oval.policies.kvp import check_signature, model_signature
+
+    check_signature(loaded.model, model_signature(model), loaded.source)
+    cfg = loaded.agents.config
+    work = Path(args.work)
+    if args.heldout_traces:
+        held_dir = Path(args.heldout_traces)
+    else:
+        held_dir = work / "heldout"
+        samples = load_samples(
+            args.heldout, followups=args.followups if args.heldout.startswith("zoo") else 0
+        )
+        capture_traces(
+            model, processor, samples, held_dir, data_spec=f"{args.heldout} followups={args.followups}"
+        )
+    held = list(iter_traces(held_dir))
+    log.info("%d held-out traces from %s", len(held), held_dir)
+    results: dict = {"heldout_traces": str(held_dir), "num_heldout": len(held), "agents": loaded.source}
+
+    # 1. KVP vs the baselines
+    rows = {"kvp": asdict(heldout_cost(agent_scorer(loaded.agents), held, cfg.sinks, cfg.recent))}
+    for name in BASELINES:
+        pol = make_eviction(name)
+        if pol.needs_queries and "queries" not in held[0]:
+            log.warning("%s skipped: the traces hold no queries", name)
+            continue
+        rows[name] = asdict(heldout_cost(policy_scorer(pol), held, cfg.sinks, cfg.recent))
+    rows["optimal"] = asdict(heldout_cost(oracle_scorer, held, cfg.sinks, cfg.recent, shared_normalise=False))
+    results["methods"] = rows
+    print(
+        table(
+            rows,
+            "held-out normalised cost (AUC / optimal AUC, 1 = optimal) and % of future attention evicted at each "
+            "budget (ev: all decidable tokens, img: image tokens only)",
+        )
+    )
+    free = {k: v["cost"] for k, v in rows.items() if k in ATTENTION_FREE}
+    print(f"lowest attention-free cost: {min(free, key=free.get)}")
+
+    # 2. uniform vs shared head budget (same total memory per layer)
+    print(
+        "\nhead budget (% of future attention evicted, all decidable tokens): uniform per head vs shared by a layer's heads"
+    )
+    print(
+        f"{'method':<12}"
+        + "".join(f"{'uni' + str(int(b * 100)):>9}{'shared' + str(int(b * 100)):>10}" for b in BUDGETS)
+    )
+    hb = {}
+    for name in ("kvp", "optimal"):
+        r = rows[name]
+        hb[name] = {"uniform": r["evicted"], "shared": r["evicted_shared_heads"]}
+        print(
+            f"{name:<12}"
+            + "".join(f"{r['evicted'][b]:>9.2f}{r['evicted_shared_heads'][b]:>10.2f}" for b in BUDGETS)
+        )
+    results["head_budget"] = hb
+
+    # 3. ablations, trained identically on the same traces
+    if args.train_traces:
+        train = list(iter_traces(args.train_traces))
+        tcfg = TrainConfig(
+            **{
+                k: v
+                for k, v in loaded.training.get("train", {}).items()
+                if k in TrainConfig.__dataclass_fields__
+            }
+        )
+        if args.ablation_steps:
+            tcfg = TrainConfig(**{**asdict(tcfg), "steps": args.ablation_steps})
+        base = asdict(cfg)
+        variants = {
+            "per-head, all features": {},
+            "shared agent": {"shared": True},
+            "no modality/2-D features": {"extra_features": ("relpos",)},
+            "paper agent (no extras)": {"extra_features": ()},
+        }
+        abl = {"kvp (committed agents)": rows["kvp"]}
+        for vname, change in variants.items():
+            acfg = KVPAgentConfig(**{**base, **change})
+            t0 = time.time()
+            res = train_agents(train, acfg, tcfg)
+            log.info("ablation %r: %d steps in %.0f s", vname, tcfg.steps, time.time() - t0)
+            abl[vname] = asdict(heldout_cost(agent_scorer(res.agents), held, cfg.sinks, cfg.recent))
+        results["ablations"] = {"train_steps": tcfg.steps, "train_traces": len(train), "rows": abl}
+        print()
+        print(
+            table(
+                abl, f"ablations ({tcfg.steps} steps each on {len(train)} train traces, same held-out traces)"
+            )
+        )
+
+    # 4. scoring cost vs prefill
+    timing_samples = load_samples("zoo:heldout:" + str(args.timing_samples)) if args.timing_samples else []
+    if timing_samples:
+        sc = scoring_cost(model, processor, loaded.agents, timing_samples)
+        results["scoring_cost"] = sc
+        print(
+            f"\nscoring cost (CPU, 1 thread, {sc['prompt_tokens']:.0f}-token prompts): prefill {sc['prefill_ms']:.2f} ms, "
+            f"KVP scoring of all {cfg.num_layers}x{cfg.num_kv_heads} heads {sc['kvp_scoring_ms']:.2f} ms, "
+            f"ratio {100 * sc['time_ratio']:.1f}%"
+        )
+        print(
+            f"FLOPs per prompt token: KVP {sc['kvp_flops_per_token']:,} vs language model {sc['lm_flops_per_token']:,} "
+            f"({100 * sc['flop_ratio']:.1f}%); paper-size agents on LLaVA-1.5-7B's shape (computed): "
+            f"{100 * sc['flop_ratio_llava7b_paper_agents']:.2f}%"
+        )
+    out = Path(args.out)
+    _atomic_write_bytes(out, json.dumps(results, indent=1, default=str).encode())
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
