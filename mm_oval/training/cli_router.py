@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip-pretrained", default=None, help="open_clip tag or local checkpoint path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (1 is fastest for tiny models)"
+    )
 
 
 def _load_model(name: str | None, device: str):
@@ -82,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.lora_only and not args.init:
         raise ConfigError("--lora-only fine-tunes an existing router: pass --init DIR")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, processor = _load_model(args.model, args.device)
     encoder = None
