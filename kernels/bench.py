@@ -13,6 +13,8 @@ Each row: median time (triton.testing.do_bench, L2 flushed between runs), the by
 (K and V of the tokens read, the page table entries, q and out), GB/s and the fraction of the H200's
 4.8 TB/s, and the time relative to dense SDPA and to the same kernel reading every page.
 A second table times page scoring, top-k selection, KVP scoring and compaction at the same shapes.
+Before timing, on CUDA, every kernel is checked against its reference on the device (fp16 and bf16,
+ragged pages, GQA groups 1/4/8, split and unsplit); the exit status is 1 when one disagrees.
 
 On CPU there is no Triton kernel to time (the interpreter measures Python): it times the PyTorch
 references at small shapes in fp32, says so, and leaves the H200 column empty.
@@ -145,7 +147,7 @@ def bench_decode(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
                 nbytes = 2 * tokens * D * esize + table_bytes + qkv_bytes
 
                 def sparse(q=q, k=k, v=v, start=start, length=length, idx=idx):
-                    return K.sparse_paged_decode(q, k, v, start, length, idx)
+                    return K.sparse_paged_decode(q, k, v, start, length, idx, max_page_len=ps)
 
                 t = timer(sparse, args.reps)
                 t_all = t if t_all is None else t_all
@@ -230,6 +232,104 @@ def bench_others(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
     return rows
 
 
+def verify(device: torch.device, dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)) -> bool:
+    """Every Triton kernel against its reference on this device, before timing (CUDA only: on CPU the
+    tests do this under the interpreter). Prints one line per check; False when one fails."""
+    from mm_oval.kernels import compact, page_score, sparse_decode, topk
+    from mm_oval.kernels import reference as ref
+    from mm_oval.kernels.kvp_score import kvp_score_triton
+
+    from mm_oval import kernels as K
+
+    def rel(a, b):
+        a, b = a.float(), b.float()
+        f = torch.isfinite(b)
+        if not torch.equal(torch.isfinite(a), f):
+            return float("inf")
+        return float((a[f] - b[f]).norm() / b[f].norm().clamp_min(1e-12))
+
+    g = torch.Generator().manual_seed(0)
+    checks: list[tuple[str, float, float]] = []
+    for dtype in dtypes:
+        for B, Hkv, G, N, ps in [
+            (2, 32, 1, 4096, 16),
+            (3, 8, 4, 1000, 16),
+            (1, 4, 8, 300, 1),
+            (2, 4, 4, 777, 70),
+        ]:
+            D = 128
+            q = torch.randn(B, Hkv * G, D, generator=g).to(device, dtype)
+            k = torch.randn(B, Hkv, N, D, generator=g).to(device, dtype)
+            v = torch.randn(B, Hkv, N, D, generator=g).to(device, dtype)
+            lengths = torch.randint(N // 2, N + 1, (B, Hkv), generator=g).to(device)
+            start, length = K.paginate(lengths, ps)
+            P = start.shape[-1]
+            idx = random_selection(B, Hkv, P, 1 / 4, device, g)
+            idx = torch.where(idx < (length > 0).sum(-1, keepdim=True), idx, -1)
+            want = ref.sparse_paged_decode_ref(q, k, v, start, length, idx)
+            for splits in (None, 1, 5):
+                got = sparse_decode.sparse_paged_decode_triton(q, k, v, start, length, idx, num_splits=splits)
+                err = max(rel(got[0], want[0]), rel(got[1], want[1]))
+                checks.append(
+                    (f"sparse decode {dtype} B{B} Hkv{Hkv} G{G} N{N} page{ps} splits {splits}", err, 2e-2)
+                )
+    B, Hkv, G, D, P, T, R = 2, 32, 1, 128, 256, 16, 8
+    q = torch.randn(B, Hkv * G, D, generator=g).to(device, torch.float16)
+    mu = torch.randn(B, Hkv, P, D, generator=g).to(device, torch.float16)
+    basis = (torch.randn(B, Hkv, P, D, R, generator=g) / 10).to(device, torch.float16)
+    coef = torch.randn(B, Hkv, P, T, R, generator=g).to(device, torch.float16)
+    plen = torch.randint(0, T + 1, (B, Hkv, P), generator=g).to(device, torch.int32)
+    checks.append(
+        (
+            "page score LOCKS/OVAL",
+            rel(
+                page_score.page_score_lowrank_triton(q, mu, basis, coef, plen),
+                ref.page_score_lowrank_ref(q, mu, basis, coef, plen),
+            ),
+            1e-3,
+        )
+    )
+    checks.append(
+        (
+            "page score Quest",
+            rel(
+                page_score.page_score_quest_triton(q, mu, mu + 1, plen),
+                ref.page_score_quest_ref(q, mu, mu + 1, plen),
+            ),
+            1e-3,
+        )
+    )
+    scores = torch.randn(B, Hkv, P, generator=g).to(device)
+    keep = torch.tensor([0, P - 1, 0], dtype=torch.int32, device=device).expand(B, Hkv, 3).contiguous()
+    same = torch.equal(topk.select_pages_triton(scores, 32, keep), ref.select_pages_ref(scores, 32, keep))
+    checks.append(("select pages", 0.0 if same else float("inf"), 0.0))
+    kk = torch.randn(2, 8, 500, 128, generator=g).to(device, torch.float16)
+    vv = torch.randn(2, 8, 500, 128, generator=g).to(device, torch.float16)
+    pos = torch.arange(500, device=device)[None].expand(2, 500).contiguous()
+    w = K.KVPWeights.random(8, 128, generator=g, device=device)
+    # tf32 matmuls on the GPU against fp32 ones in the reference
+    checks.append(
+        (
+            "KVP scores",
+            rel(kvp_score_triton(kk, vv, pos, w), ref.kvp_score_ref(kk, vv, pos, w)),
+            2e-2,
+        )
+    )
+    index = torch.rand(2, 8, 500, generator=g).argsort(-1)[..., :200].sort(-1).values.to(device, torch.int32)
+    got = compact.compact_kv_triton(kk, vv, index, 256)
+    want = ref.compact_kv_ref(kk, vv, index, 256)
+    checks.append(
+        ("compaction", 0.0 if all(torch.equal(a, b) for a, b in zip(got, want)) else float("inf"), 0.0)
+    )
+    ok = True
+    print("\nKernels against their references on this device (relative error, bound)")
+    for name, err, bound in checks:
+        passed = err <= bound
+        ok &= passed
+        print(f"  {'ok  ' if passed else 'FAIL'} {name:<70} {err:.2e}  <= {bound:.0e}")
+    return ok
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -269,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=100, help="CUDA: ms of timed runs per row; CPU: 20 x runs")
     ap.add_argument("--skip-others", action="store_true", help="only the decode table")
+    ap.add_argument(
+        "--no-verify", action="store_true", help="CUDA: skip checking the kernels against the references"
+    )
     ap.add_argument("--json", type=Path, default=None, help="write every row here too")
     args = ap.parse_args(argv)
 
@@ -294,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
         f"heads {args.heads} (KV {args.kv_heads}), head dim {args.head_dim}, pages of {args.page_size} tokens, "
         f"torch {torch.__version__}"
     )
+    if use_cuda and not args.no_verify and not verify(device):
+        print(
+            "a kernel disagrees with its reference on this device: timings follow anyway, do not trust them"
+        )
+        failed = True
+    else:
+        failed = False
     rows = bench_decode(args, device, dtype)
     print_table(
         rows, "Decode attention, one token per sequence (time: median; read = fraction of pages read)"
@@ -311,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             },
         )
         print(f"\nrows written to {args.json}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
