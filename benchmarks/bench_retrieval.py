@@ -1,0 +1,362 @@
+"""Page retrieval quality and cost: how much of full attention's image mass each retrieval method's pages
+hold, at read budgets of 10/25/50% of the image pages, and what scoring costs next to a decode step.
+
+    python benchmarks/bench_retrieval.py                      # the bundled tiny LLaVA and its router
+    python benchmarks/bench_retrieval.py --model DIR --router DIR --prompts 64 --out bench_retrieval.json
+
+Quality. Prompts come from the bundled generator with a seed no training used. The plain model answers
+greedily; one teacher-forced forward over prompt + answer captures every layer's queries, keys and values.
+Routed queries are the last prompt positions and every answer position. Pages are the cache's own layout
+(nothing evicted): 2x2 patch tiles for the image, 16-token text pages. Each method summarises the pages
+through its real policy class (`summarize`, `score_pages`); candidates are the image pages not pinned by
+sinks / the recent window (what a read budget applies to). Reported per method and budget, averaged over
+routed queries, layers and query heads:
+  image_mass  share of the exact attention mass on candidate pages that the selected pages hold;
+  top16_mass  share of the mass of the 16 highest-attention candidate tokens that the selected pages hold.
+`oracle` picks pages by their exact mass (the best any method can do), `random` is the expected share.
+
+Cost. The model is wrapped with each retrieval method at read budget 25% and generates; the time spent
+in the policy's `score_pages` + `select` is measured inside the same decode steps as the step time, so
+the share printed is a ratio from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+import mm_oval
+from mm_oval.cache import request_info
+from mm_oval.config import OvalConfig
+from mm_oval.pages import layout_pages
+from mm_oval.policies.base import IMAGE, PAD, DecodeContext, PageBatch, make_retrieval
+from mm_oval.stats import get_stats
+from mm_oval.training.router import zoo_prompts
+
+BUDGETS = (0.10, 0.25, 0.50)
+
+
+def load(model_dir: str | None):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    if model_dir is None:
+        try:
+            from mm_oval.zoo import bundled_model_path
+
+            model_dir = str(bundled_model_path())
+        except mm_oval.MmOvalError:
+            from mm_oval.zoo.model import build_tiny_llava
+
+            model, processor = build_tiny_llava(seed=0)
+            return model, processor, "tiny random LLaVA (bundled model absent)"
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    return model, AutoProcessor.from_pretrained(model_dir), model_dir
+
+
+class Capture:
+    """Queries/keys/values of every layer from one forward (an attention function that records, then runs SDPA)."""
+
+    NAME = "mm_oval_bench_capture"
+
+    def __init__(self):
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        def fn(module, query, key, value, attention_mask, scaling=None, **kw):
+            s = scaling if scaling is not None else query.shape[-1] ** -0.5
+            self.layers[int(module.layer_idx)] = (query.detach(), key.detach(), value.detach(), s)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+
+        AttentionInterface.register(self.NAME, fn)
+        AttentionMaskInterface.register(self.NAME, sdpa_mask)
+
+
+def methods_for(router_dir: str | None, has_router: bool, ranks: list[int]) -> dict[str, tuple[str, dict]]:
+    m: dict[str, tuple[str, dict]] = {"quest": ("quest", {})}
+    for r in ranks:
+        m[f"locks r={r}"] = ("locks", {"rank": r})
+        for eta in (0.25, 0.5, 1.0):
+            m[f"oval r={r} eta={eta:g}"] = ("oval", {"rank": r, "eta": eta})
+    if has_router:
+        m["router"] = ("router", {"weights": router_dir} if router_dir else {})
+    return m
+
+
+@torch.no_grad()
+def quality(
+    model, processor, prompts, methods, new_tokens: int, prompt_queries: int, top_tokens: int
+) -> dict:
+    cfg = model.config
+    text = cfg.text_config
+    hkv, hq = text.num_key_value_heads, text.num_attention_heads
+    group = hq // hkv
+    lm = model.model.language_model
+    policies = {name: make_retrieval(kind, **opts) for name, (kind, opts) in methods.items()}
+    sums: dict[tuple[str, float, str], float] = {}
+    count = 0
+    cap = Capture()
+    box: dict[str, Any] = {}
+    hooks = [
+        lm.norm.register_forward_hook(lambda m, a, o: box.__setitem__("hidden", o.detach())),
+        lm.register_forward_pre_hook(
+            lambda m, a, kw: box.__setitem__("embeds", kw["inputs_embeds"].detach()), with_kwargs=True
+        ),
+    ]
+    previous = cfg._attn_implementation
+    try:
+        for prompt in prompts:
+            msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
+            chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
+            inputs = processor(images=[prompt.image], text=[chat], return_tensors="pt")
+            n = inputs["input_ids"].shape[1]
+            model.set_attn_implementation("sdpa")
+            seq = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+            lm.set_attn_implementation(Capture.NAME)
+            model(
+                input_ids=seq,
+                pixel_values=inputs["pixel_values"],
+                attention_mask=torch.ones_like(seq),
+            )
+            ids = seq
+            total = ids.shape[1]
+            tpi = int((inputs["input_ids"] == cfg.image_token_id).sum())
+            info = request_info(ids[:, :n], None, cfg.image_token_id, tpi, 4, 16)
+            keep = (info.modality != PAD).unsqueeze(1).expand(1, hkv, n)
+            lay = layout_pages(keep, info.modality, info.positions, info.image_rc, info.protected, 2, 16)
+            p = int((lay.page_len[0, 0] > 0).sum())
+            page_len = lay.page_len[..., :p]
+            kind = lay.page_kind[..., :p]
+            cand = (kind == IMAGE) & ~lay.page_pinned[..., :p]
+            n_cand = int(cand[0, 0].sum())
+            t = int(page_len.max())
+            offs = torch.arange(t)
+            slot = (lay.page_start[..., :p, None] + offs).clamp(max=lay.src.shape[-1] - 1)
+            tok_idx = torch.where(
+                offs < page_len[..., None], lay.src.gather(-1, slot.flatten(2)).view(1, hkv, p, t), -1
+            )
+            tok_page = torch.full((n,), -1, dtype=torch.long)
+            ok = lay.src[0, 0] >= 0
+            tok_page[lay.src[0, 0][ok]] = lay.slot_page[0, 0][ok]
+            cand_tok = torch.zeros(n, dtype=torch.bool)
+            cand_tok[tok_page >= 0] = cand[0, 0][tok_page[tok_page >= 0]]
+            last_img = int((info.modality[0] == IMAGE).nonzero().max())
+            rows = list(range(max(n - prompt_queries, last_img + 2), total))
+            for layer, (q, k, v, scale) in sorted(cap.layers.items()):
+                mask = tok_idx >= 0
+                gk = k[:, :, :n].gather(
+                    2, tok_idx.clamp(min=0).flatten(2).unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
+                )
+                gv = v[:, :, :n].gather(
+                    2, tok_idx.clamp(min=0).flatten(2).unsqueeze(-1).expand(-1, -1, -1, v.shape[-1])
+                )
+                gk = gk.view(1, hkv, p, t, -1) * mask.unsqueeze(-1)
+                gv = gv.view(1, hkv, p, t, -1) * mask.unsqueeze(-1)
+                module = lm.layers[layer].self_attn
+                batch = PageBatch(
+                    layer,
+                    gk,
+                    gv,
+                    mask,
+                    kind,
+                    0,
+                    module,
+                    token_index=tok_idx,
+                    extra={"inputs_embeds": box["embeds"]},
+                )
+                summaries = {name: pol.summarize(batch) for name, pol in policies.items()}
+                kk = k.repeat_interleave(group, dim=1)[0]  # (Hq, total, D)
+                for i in rows:
+                    logits = (
+                        torch.einsum("hd,htd->ht", q[0, :, i].float(), kk[:, : i + 1].float()) * scale
+                    )  # (Hq, i+1)
+                    att = torch.softmax(logits.float(), -1)[:, :n]  # mass on prompt tokens
+                    att = torch.nn.functional.pad(att, (0, n - att.shape[-1]))
+                    img_att = att * cand_tok  # (Hq, n)
+                    page_mass = torch.zeros(hq, p).index_add_(
+                        1, tok_page.clamp(min=0), img_att * (tok_page >= 0)
+                    )
+                    tot = img_att.sum(-1).clamp_min(1e-12)  # (Hq,)
+                    topv, topi = img_att.topk(min(top_tokens, int(cand_tok.sum())), -1)
+                    ctx = DecodeContext(
+                        layer,
+                        q[:, :, i : i + 1],
+                        {},
+                        lay.page_start[..., :p],
+                        page_len,
+                        kind,
+                        cand,
+                        scale,
+                        module,
+                        {"last_hidden": box["hidden"][:, i - 1]},
+                    )
+                    picks = {}
+                    for name, pol in policies.items():
+                        ctx.summaries = summaries[name]
+                        picks[name] = {b: pol.select(ctx, b)[0] for b in BUDGETS}  # (Hkv, P) bool
+                    # the oracle: pages by exact group-mean mass
+                    gm = page_mass.view(hkv, group, p).mean(1)
+                    ctx.summaries = {}
+                    for b in BUDGETS:
+                        kb = math.ceil(n_cand * b - 1e-9)
+                        order = gm.masked_fill(~cand[0], -1.0).argsort(-1, descending=True).argsort(-1)
+                        picks.setdefault("oracle", {})[b] = (order < kb) & cand[0]
+                    for name, per_b in picks.items():
+                        for b, sel in per_b.items():
+                            sel_q = sel.repeat_interleave(group, 0)  # (Hq, P)
+                            share = (page_mass * sel_q).sum(-1) / tot
+                            read_tok = sel_q.gather(1, tok_page.clamp(min=0).expand(hq, n)) & (tok_page >= 0)
+                            top_share = (topv * read_tok.gather(1, topi)).sum(-1) / topv.sum(-1).clamp_min(
+                                1e-12
+                            )
+                            for metric, val in (("image_mass", share), ("top16_mass", top_share)):
+                                key = (name, b, metric)
+                                sums[key] = sums.get(key, 0.0) + float(val.mean())
+                    for b in BUDGETS:
+                        r = math.ceil(n_cand * b - 1e-9) / max(n_cand, 1)
+                        for metric in ("image_mass", "top16_mass"):
+                            sums[("random", b, metric)] = sums.get(("random", b, metric), 0.0) + r
+                    count += 1
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_attn_implementation(previous)
+    return {f"{name}|{b}|{metric}": v / max(count, 1) for (name, b, metric), v in sums.items()} | {
+        "rows": count
+    }
+
+
+def cost(model, processor, prompts, methods, new_tokens: int, repeats: int) -> dict:
+    """Decode ms/step with each retrieval at read budget 0.25, and the ms/step spent choosing pages."""
+    inputs = []
+    for prompt in prompts:
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
+        chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
+        inputs.append(processor(images=[prompt.image], text=[chat], return_tensors="pt"))
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in ["none", *methods]}
+    for _ in range(repeats):
+        for name in runs:  # interleaved, so machine load hits every method alike
+            if name == "none":
+                cfg = OvalConfig()
+            else:
+                kind, opts = methods[name]
+                cfg = OvalConfig(retrieval=kind, retrieval_options=opts, read_budget=0.25)
+            wrapped = mm_oval.wrap(model, cfg)
+            spent = [0.0]
+            pol = wrapped._mm_oval.retrieval
+            if pol is not None:
+                inner = pol.select
+
+                def timed(ctx, rb, _inner=inner, spent=spent):
+                    t0 = time.perf_counter()
+                    out = _inner(ctx, rb)
+                    spent[0] += time.perf_counter() - t0
+                    return out
+
+                pol.select = timed
+            steps, decode = 0, 0.0
+            try:
+                for inp in inputs:
+                    wrapped.generate(
+                        **inp, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+                    )
+                    st = get_stats(wrapped)
+                    steps += st["decode_steps"]
+                    decode += st["decode_s"]
+            finally:
+                model = mm_oval.unwrap(wrapped)
+            runs[name].append((decode / max(steps, 1), spent[0] / max(steps, 1)))
+    return {
+        name: {
+            "decode_ms_per_step": 1e3 * statistics.median(r[0] for r in rs),
+            "select_ms_per_step": 1e3 * statistics.median(r[1] for r in rs),
+        }
+        for name, rs in runs.items()
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--router", default=None, help="router directory (default: the bundled router, when present)"
+    )
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument("--prompt-queries", type=int, default=4)
+    ap.add_argument("--top-tokens", type=int, default=16)
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="basis ranks of LOCKS/OVAL (a rank >= the page's token count is exact: 2x2 tiles hold 4 tokens)",
+    )
+    ap.add_argument("--cost-prompts", type=int, default=8)
+    ap.add_argument("--cost-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--seed", type=int, default=5000, help="prompt generator seed (router training uses 1000/2000)"
+    )
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    model, processor, where = load(args.model)
+    has_router = True
+    try:
+        make_retrieval("router", **({"weights": args.router} if args.router else {}))
+    except mm_oval.MmOvalError as e:
+        print(f"router skipped: {e}")
+        has_router = False
+    methods = methods_for(args.router, has_router, args.ranks)
+    prompts = zoo_prompts(args.prompts, args.seed)
+    t0 = time.perf_counter()
+    q = quality(model, processor, prompts, methods, args.new_tokens, args.prompt_queries, args.top_tokens)
+    t_quality = time.perf_counter() - t0
+    names = ["oracle", *methods, "random"]
+    print(
+        f"model: {where}; {len(prompts)} prompts, {q['rows']} routed (query, layer) rows ({t_quality:.0f} s)"
+    )
+    for metric in ("image_mass", "top16_mass"):
+        print(
+            f"\n{metric}: share held by the selected image pages (read budget = share of candidate image pages)"
+        )
+        print(f"{'method':<22}" + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS))
+        for name in names:
+            print(f"{name:<22}" + "".join(f"{q[f'{name}|{b}|{metric}']:>9.3f}" for b in BUDGETS))
+    r = max(args.ranks)  # scoring cost does not depend on eta
+    timed = {
+        k: v for k, v in methods.items() if k in ("quest", "router", f"locks r={r}", f"oval r={r} eta=0.5")
+    }
+    c = cost(model, processor, prompts[: args.cost_prompts], timed, args.cost_tokens, args.repeats)
+    base = c["none"]["decode_ms_per_step"]
+    print(
+        f"\ncost at read budget 25% ({args.cost_prompts} prompts x {args.cost_tokens} tokens, median of {args.repeats})"
+    )
+    print(f"{'method':<22}{'decode ms/step':>16}{'vs none':>9}{'select ms/step':>16}{'select share':>14}")
+    for name, r in c.items():
+        d, s = r["decode_ms_per_step"], r["select_ms_per_step"]
+        print(f"{name:<22}{d:>16.2f}{d / base:>9.2f}{s:>16.3f}{s / d:>14.1%}")
+    if args.out:
+        d = os.path.dirname(os.path.abspath(args.out))
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"model": where, "args": vars(args), "quality": q, "cost": c}, f, indent=2)
+        os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
