@@ -265,6 +265,7 @@ def test_clear_errors(loaded, tmp_path, vqa_dir):
         load_model(str(cfg_dir), device="cpu")
 
 
+@pytest.mark.slow
 def test_two_accelerate_processes_equal_one(loaded, tiny_model_dir, vqa_dir, tmp_path):
     model, processor = loaded
     one = evaluate(
