@@ -14,6 +14,7 @@ what which who where how many much is are there the a an of in on at to color co
 row column left right above below next any yes no answer with option s letter from given choices directly
 question using single word or phrase hint note image picture scene only count number same as than
 A B C D E this that it its does do has have contain contains kind and not
+Answer
 """.split()
 
 

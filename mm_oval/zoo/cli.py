@@ -1,0 +1,74 @@
+"""`mm-oval zoo generate|train|check`: regenerate the bundled dev sets, train the tiny LLaVA, or measure a
+checkpoint's grounding (first-answer accuracy with the real and a blank image, attention on the targets)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import fields
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="zoo_command", required=True)
+    g = sub.add_parser(
+        "generate", help="write the synthetic dev sets (MMBench TSV, VQAv2 JSON, POPE JSONL, images)"
+    )
+    g.add_argument("--out", required=True, help="output directory (the bundled copy is eval/data/synth)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--vqa-images", type=int, default=60, help="images with one VQA question of each of 5 types"
+    )
+    g.add_argument("--pope-images", type=int, default=50, help="images with 6 POPE questions each")
+    g.add_argument(
+        "--mmbench-questions", type=int, default=150, help="base MMBench questions (rotations extra)"
+    )
+
+    t = sub.add_parser(
+        "train", help="train the tiny LLaVA from scratch (resumes from OUT/train_state.ckpt.pt)"
+    )
+    t.add_argument("--out", required=True, help="run directory; the exported model goes to OUT/model")
+    from .train import TrainConfig
+
+    for f in fields(TrainConfig):
+        t.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+
+    c = sub.add_parser("check", help="grounding check of a checkpoint on the bundled dev questions")
+    c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled one)")
+    c.add_argument("--data", default=None, help="dev-set directory (default: the bundled one)")
+    c.add_argument("--json", default=None, help="also write the figures to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.zoo_command == "generate":
+        from .generate import DevSizes, generate_dev_sets
+
+        sizes = DevSizes(
+            vqa_images=args.vqa_images, pope_images=args.pope_images, mmbench_questions=args.mmbench_questions
+        )
+        counts = generate_dev_sets(args.out, seed=args.seed, sizes=sizes)
+        print(json.dumps(counts))
+        return 0
+    if args.zoo_command == "train":
+        from .train import TrainConfig, train
+
+        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+        path = train(args.out, cfg)
+        print(path)
+        return 0
+    if args.zoo_command == "check":
+        from .check import grounding_report
+
+        report = grounding_report(model_path=args.model, data_dir=args.data)
+        text = json.dumps(report, indent=1)
+        print(text)
+        if args.json:
+            from .generate import _atomic_write
+
+            _atomic_write(__import__("pathlib").Path(args.json), text)
+        return 0
+    raise ConfigError(f"unknown zoo command {args.zoo_command!r}")

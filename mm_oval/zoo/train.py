@@ -1,0 +1,477 @@
+"""Train the bundled tiny LLaVA from scratch on the synthetic train split (CPU or GPU, seeded, resumable).
+
+The recipe (see docs/zoo.md for why):
+
+1. Vision stage: the CLIP tower alone learns, per patch, the colour, shape, row and column of its cell
+   (linear probes on the patch features; seconds).
+2. Language stage, with the whole LlavaForConditionalGeneration training:
+   - dense, single-turn questions: each image is followed by many questions, each in exactly the
+     evaluation prompt, arranged as a tree (a 4-D attention mask lets every question see the image
+     prefix and itself only, with position ids restarting after the prefix), so one forward pass trains
+     ~16 independent single-turn examples that share the image tokens;
+   - an attention teacher: the generator knows which question words are the keys and which patches
+     hold the answer, so a few heads are told where to look from the answer position (layer 0: the key
+     words; layer 1: the target patches; layer 2: the right option's text for multiple-choice items).
+     This breaks the long plateau before retrieval emerges; the model stays a plain LLaVA.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from .generate import COLORS, GRID, LETTERS, MMB_SUFFIX, SHAPES, VQA_SUFFIX, Question, TrainSampler
+from .model import TinyLlavaSizes, build_tiny_llava
+
+log = logging.getLogger(__name__)
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 3000
+    seed: int = 0
+    images_per_batch: int = 8
+    questions_per_image: int = 16
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    vision_steps: int = 300
+    vision_batch: int = 32
+    vision_lr: float = 2e-3
+    attn_weight: float = 1.0  # weight of the attention teacher's loss
+    attn_until: float = 1.0  # fraction of steps after which the teacher is off
+    mmbench_fraction: float = 0.3
+    eval_every: int = 250
+    eval_items: int = 40  # held-out images (x questions_per_image questions)
+    checkpoint_minutes: float = 3.0
+    threads: int = 0  # 0: torch default
+
+    def validate(self) -> None:
+        if self.steps < 1 or self.images_per_batch < 1 or self.questions_per_image < 1:
+            raise ConfigError("steps, images_per_batch and questions_per_image must be >= 1")
+        if not 0 < self.lr < 1:
+            raise ConfigError(f"lr must be in (0, 1), got {self.lr}")
+        if self.vision_steps < 0 or self.warmup < 0:
+            raise ConfigError("vision_steps and warmup must be >= 0")
+
+
+# ------------------------------------------------------------------------------------------------
+# batches
+
+
+def pixel_values(images: list) -> torch.Tensor:
+    """What CLIPImageProcessor gives for 128x128 RGB images (no resize or crop needed): scale and normalise."""
+    arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0 for im in images])
+    x = torch.from_numpy(arr).permute(0, 3, 1, 2)
+    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def patch_labels(scene) -> torch.Tensor:
+    """(64, 4) labels per patch: colour (0 = empty, 1..8), shape (0 = empty, 1..4), row, column."""
+    lab = torch.zeros(GRID * GRID, 4, dtype=torch.long)
+    for p in range(GRID * GRID):
+        lab[p, 2], lab[p, 3] = p // GRID, p % GRID
+    for o in scene.objects:
+        p = o.row * GRID + o.col
+        lab[p, 0] = COLORS.index(o.color) + 1
+        lab[p, 1] = SHAPES.index(o.shape) + 1
+    return lab
+
+
+class Encoder:
+    """Word ids of question pieces, cached (the tokenizer is word-level: pieces concatenate exactly)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.cache: dict[str, list[int]] = {}
+        self.image_id = tokenizer.convert_tokens_to_ids("<image>")
+        self.prefix = [tokenizer.bos_token_id, *self.ids("USER:")]
+        self.assistant = self.ids("ASSISTANT:")
+        self.eos = tokenizer.eos_token_id
+
+    def ids(self, text: str) -> list[int]:
+        if text not in self.cache:
+            self.cache[text] = self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.cache[text]
+
+    def block(self, q: Question) -> tuple[list[int], dict]:
+        """Token ids of one question turn after the image ("{text} ASSISTANT: {answer} </s>") and where
+        the answer position, the key words and the right option's text are within it."""
+        ids: list[int] = []
+        seg_start = {}
+        if q.hint:
+            seg_start["hint"] = len(ids)
+            ids += self.ids(q.hint)
+        seg_start["q"] = len(ids)
+        ids += self.ids(q.text)
+        option_pos = None
+        if q.options:
+            right = LETTERS.index(q.answer)
+            for i, opt in enumerate(q.options):
+                ids += self.ids(f"{LETTERS[i]}.")
+                if i == right:
+                    option_pos = list(range(len(ids), len(ids) + len(self.ids(opt))))
+                ids += self.ids(opt)
+            ids += self.ids(MMB_SUFFIX)
+        else:
+            ids += self.ids(VQA_SUFFIX)
+        ids += self.assistant
+        answer_pos = len(ids) - 1  # the ":" of "ASSISTANT:" predicts the answer
+        ans = self.ids(q.answer)
+        if len(ans) != 1:
+            raise ConfigError(f"answer {q.answer!r} is not one word of the vocabulary")
+        ids += [ans[0], self.eos]
+        keys = [seg_start[seg] + i for seg, i in q.keys]
+        return ids, {"answer_pos": answer_pos, "keys": keys, "option_pos": option_pos}
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor  # (B, 1, L, L) additive float: 0 where a row may attend, -inf-ish elsewhere
+    position_ids: torch.Tensor
+    pixel_values: torch.Tensor
+    labels: torch.Tensor
+    answer_rows: torch.Tensor  # (N, 2): (batch index, answer position) of every question
+    qtypes: list[str]
+    mmbench: list[bool]
+    # attention teacher: (layer, head) -> (batch index, query position, key mask over L)
+    teach: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    patch_labels: torch.Tensor  # (B, 64, 4)
+
+
+def make_batch(items, enc: Encoder, n_image_tokens: int = GRID * GRID) -> Batch:
+    prefix = enc.prefix + [enc.image_id] * n_image_tokens
+    P = len(prefix)
+    seqs, metas = [], []
+    for it in items:
+        ids, meta = list(prefix), []
+        for q in it.questions:
+            b_ids, m = enc.block(q)
+            meta.append((len(ids), len(b_ids), m, q))
+            ids += b_ids
+        seqs.append(ids)
+        metas.append(meta)
+    B, L = len(items), max(len(s) for s in seqs)
+    input_ids = torch.full((B, L), enc.tok.pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, 1, L, L), dtype=torch.bool)
+    labels = torch.full((B, L), -100, dtype=torch.long)
+    causal_p = torch.tril(torch.ones(P, P, dtype=torch.bool))
+    rows, qtypes, mmb = [], [], []
+    teach_rows: dict[tuple[int, int], list] = {}
+    for b, (ids, meta) in enumerate(zip(seqs, metas)):
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        position_ids[b, :P] = torch.arange(P)
+        mask[b, 0, :P, :P] = causal_p
+        for start, n, m, q in meta:
+            end = start + n
+            position_ids[b, start:end] = torch.arange(P, P + n)
+            mask[b, 0, start:end, :P] = True
+            mask[b, 0, start:end, start:end] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            a = start + m["answer_pos"]
+            labels[b, a] = ids[a + 1]  # the answer word
+            labels[b, a + 1] = ids[a + 2]  # then </s>
+            rows.append((b, a))
+            qtypes.append(q.qtype)
+            mmb.append(bool(q.options))
+            # layer 0, heads 0 and 1: the two key words
+            for h, k in enumerate(m["keys"][:2]):
+                teach_rows.setdefault((0, h), []).append((b, a, [start + k]))
+            # layer 1, heads 0 and 1: the patches holding the answer (none for absent objects)
+            if q.targets:
+                cells = [enc_prefix_pos(P, n_image_tokens, r, c) for r, c in q.targets]
+                for h in (0, 1):
+                    teach_rows.setdefault((1, h), []).append((b, a, cells))
+            # layer 2, head 0: the text of the right option (multiple choice)
+            if m["option_pos"]:
+                teach_rows.setdefault((2, 0), []).append((b, a, [start + p for p in m["option_pos"]]))
+        # rows past the end attend to themselves (padding; no loss there)
+        for i in range(len(ids), L):
+            mask[b, 0, i, i] = True
+    teach = {}
+    for key, lst in teach_rows.items():
+        bi = torch.tensor([x[0] for x in lst])
+        qi = torch.tensor([x[1] for x in lst])
+        km = torch.zeros(len(lst), L, dtype=torch.bool)
+        for j, x in enumerate(lst):
+            km[j, x[2]] = True
+        teach[key] = (bi, qi, km)
+    additive = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(
+        ~mask, torch.finfo(torch.float32).min
+    )
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=additive,
+        position_ids=position_ids,
+        pixel_values=pixel_values([it.image for it in items]),
+        labels=labels,
+        answer_rows=torch.tensor(rows),
+        qtypes=qtypes,
+        mmbench=mmb,
+        teach=teach,
+        patch_labels=torch.stack([patch_labels(it.scene) for it in items]),
+    )
+
+
+def enc_prefix_pos(P: int, n_image_tokens: int, row: int, col: int) -> int:
+    """Sequence position of the image token of cell (row, col): the image tokens end the prefix."""
+    return P - n_image_tokens + row * GRID + col
+
+
+# ------------------------------------------------------------------------------------------------
+# the model pieces
+
+
+class PatchProbe(nn.Module):
+    """Linear read-outs of a patch feature: colour (9), shape (5), row (8), column (8). Training only."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.heads = nn.ModuleList(
+            [nn.Linear(dim, n) for n in (len(COLORS) + 1, len(SHAPES) + 1, GRID, GRID)]
+        )
+
+    def loss_and_acc(self, feats: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        loss, accs = feats.new_zeros(()), []
+        for i, head in enumerate(self.heads):
+            logits = head(feats)
+            loss = loss + F.cross_entropy(logits.flatten(0, 1), labels[..., i].flatten())
+            accs.append(float((logits.argmax(-1) == labels[..., i]).float().mean()))
+        return loss, accs
+
+
+def patch_features(model, pixel: torch.Tensor) -> torch.Tensor:
+    """The vision tower's patch features as LLaVA selects them (layer -1, CLS dropped): (B, 64, D)."""
+    out = model.model.vision_tower(pixel, output_hidden_states=True)
+    layer = model.config.vision_feature_layer
+    return out.hidden_states[layer][:, 1:]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def teacher_loss(attentions, teach) -> torch.Tensor:
+    """-log of the attention mass each taught head puts on its targets, averaged over taught rows."""
+    total, n = None, 0
+    for (layer, head), (bi, qi, km) in teach.items():
+        w = attentions[layer][bi, head, qi]  # (N, L)
+        mass = (w * km.to(w.dtype)).sum(-1).clamp_min(1e-6)
+        term = -mass.log().mean()
+        total = term if total is None else total + term
+        n += 1
+    return total / n if total is not None else torch.zeros(())
+
+
+def answer_accuracy(logits: torch.Tensor, batch: Batch) -> tuple[np.ndarray, list[str], list[bool]]:
+    b, a = batch.answer_rows[:, 0], batch.answer_rows[:, 1]
+    pred = logits[b, a].argmax(-1)
+    gold = batch.labels[b, a]
+    return (pred == gold).numpy(), batch.qtypes, batch.mmbench
+
+
+# ------------------------------------------------------------------------------------------------
+# the loop
+
+
+class Trainer:
+    def __init__(self, out: str | Path, cfg: TrainConfig, sizes: TinyLlavaSizes | None = None):
+        cfg.validate()
+        self.out, self.cfg = Path(out), cfg
+        self.sizes = sizes or TinyLlavaSizes()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.model, self.processor = build_tiny_llava(
+            seed=cfg.seed, sizes=self.sizes, attn_implementation="eager"
+        )
+        self.enc = Encoder(self.processor.tokenizer)
+        self.probe = PatchProbe(self.model.config.vision_config.hidden_size)
+        self.sampler = TrainSampler(cfg.seed, mmbench_fraction=cfg.mmbench_fraction)
+        self.heldout = TrainSampler(cfg.seed + 10_000, mmbench_fraction=0.5)
+        self.ckpt_path = self.out / "train_state.ckpt.pt"
+        self.log_path = self.out / "train_log.jsonl"
+
+    # -- vision stage ----------------------------------------------------------------------------
+    def vision_stage(self) -> dict:
+        cfg, model = self.cfg, self.model
+        params = list(model.model.vision_tower.parameters()) + list(self.probe.parameters())
+        opt = torch.optim.AdamW(params, lr=cfg.vision_lr, weight_decay=0.0)
+        model.train()
+        accs = [0.0] * 4
+        for step in range(cfg.vision_steps):
+            items = [
+                self.sampler.item(10_000_000 + step * cfg.vision_batch + i, 0)
+                for i in range(cfg.vision_batch)
+            ]
+            pix = pixel_values([it.image for it in items])
+            labels = torch.stack([patch_labels(it.scene) for it in items])
+            loss, accs = self.probe.loss_and_acc(patch_features(model, pix), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 50 == 0 or step == cfg.vision_steps - 1:
+                log.info("vision %d/%d loss %.3f acc colour/shape/row/col %s", step, cfg.vision_steps, loss.item(),
+                         " ".join(f"{a:.3f}" for a in accs))  # fmt: skip
+        return {"vision_loss": float(loss), "vision_acc": accs} if cfg.vision_steps else {}
+
+    # -- evaluation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """First-answer-token accuracy on held-out scenes: each question is scored exactly as a single-turn
+        greedy answer would be (the tree mask hides the other questions)."""
+        self.model.eval()
+        hits: dict[str, list[float]] = {}
+        for start in range(0, self.cfg.eval_items, 8):
+            items = [
+                self.heldout.item(i, self.cfg.questions_per_image)
+                for i in range(start, min(self.cfg.eval_items, start + 8))
+            ]
+            batch = make_batch(items, self.enc)
+            logits = self._forward(batch, want_attn=False).logits
+            ok, qtypes, mmb = answer_accuracy(logits, batch)
+            for o, t, m in zip(ok, qtypes, mmb):
+                hits.setdefault(("mmb " if m else "vqa ") + t, []).append(float(o))
+                hits.setdefault("all", []).append(float(o))
+        self.model.train()
+        return {k: round(float(np.mean(v)), 3) for k, v in sorted(hits.items())}
+
+    def _forward(self, batch: Batch, want_attn: bool):
+        return self.model(
+            input_ids=batch.input_ids,
+            pixel_values=batch.pixel_values,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            output_attentions=want_attn,
+            use_cache=False,
+        )
+
+    # -- main --------------------------------------------------------------------------------------
+    def run(self) -> Path:
+        cfg, model = self.cfg, self.model
+        self.out.mkdir(parents=True, exist_ok=True)
+        params = list(model.parameters()) + list(self.probe.parameters())
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.98),
+        )  # fmt: skip
+        step, elapsed = 0, 0.0
+        if self.ckpt_path.exists():
+            state = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+            if state["config"] != asdict(cfg) | {"steps": state["config"]["steps"]}:
+                log.warning("resuming with a changed config: %s -> %s", state["config"], asdict(cfg))
+            model.load_state_dict(state["model"])
+            self.probe.load_state_dict(state["probe"])
+            opt.load_state_dict(state["opt"])
+            step, elapsed = state["step"], state["elapsed"]
+            log.info("resumed from %s at step %d", self.ckpt_path, step)
+        else:
+            torch.manual_seed(cfg.seed)
+            t0 = time.time()
+            info = self.vision_stage()
+            elapsed = time.time() - t0
+            self._log({"stage": "vision", "seconds": round(elapsed, 1), **info})
+            self._save_state(opt, step, elapsed)
+        model.train()
+        last_ckpt, t_start = time.time(), time.time() - elapsed
+        run_loss = run_attn = 0.0
+        n_run = 0
+        while step < cfg.steps:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            items = [
+                self.sampler.item(step * cfg.images_per_batch + i, cfg.questions_per_image)
+                for i in range(cfg.images_per_batch)
+            ]
+            batch = make_batch(items, self.enc)
+            teach_on = cfg.attn_weight > 0 and step < cfg.attn_until * cfg.steps
+            out = self._forward(batch, want_attn=teach_on)
+            logits = out.logits
+            lm = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100)
+            loss = lm
+            if teach_on:
+                att = teacher_loss(out.attentions, batch.teach)
+                loss = loss + cfg.attn_weight * att
+                run_attn += float(att)
+            # keep the tower's patch features readable (cheap; the probe is not part of the model)
+            vis, _ = self.probe.loss_and_acc(patch_features(model, batch.pixel_values), batch.patch_labels)
+            loss = loss + 0.1 * vis
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            run_loss += float(lm)
+            n_run += 1
+            if step % 25 == 0:
+                log.info("step %d/%d lm %.4f attn %.3f lr %.2e %.2fs/step", step, cfg.steps, run_loss / n_run,
+                         run_attn / n_run, lr_at(step, cfg), (time.time() - t_start) / max(1, step))  # fmt: skip
+                self._log({"step": step, "lm": round(run_loss / n_run, 4), "attn": round(run_attn / n_run, 4),
+                           "seconds": round(time.time() - t_start, 1)})  # fmt: skip
+                run_loss = run_attn = 0.0
+                n_run = 0
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                acc = self.evaluate()
+                log.info("step %d held-out accuracy %s", step, acc)
+                self._log({"step": step, "heldout": acc, "seconds": round(time.time() - t_start, 1)})
+            if time.time() - last_ckpt > 60 * cfg.checkpoint_minutes or step == cfg.steps:
+                self._save_state(opt, step, time.time() - t_start)
+                last_ckpt = time.time()
+        return self.export(self.out / "model")
+
+    def _save_state(self, opt, step: int, elapsed: float) -> None:
+        state = {
+            "model": self.model.state_dict(),
+            "probe": self.probe.state_dict(),
+            "opt": opt.state_dict(),
+            "step": step,
+            "elapsed": elapsed,
+            "config": asdict(self.cfg),
+        }
+        tmp = self.ckpt_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.ckpt_path)
+
+    def _log(self, record: dict) -> None:
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def export(self, path: Path) -> Path:
+        """Save a plain LLaVA checkpoint (SDPA attention) and its processor with save_pretrained."""
+        self.model.config._attn_implementation = "sdpa"
+        self.model.config.mm_oval_training = asdict(self.cfg)
+        self.model.eval()
+        self.model.save_pretrained(path)
+        self.processor.save_pretrained(path)
+        self.model.config._attn_implementation = "eager"
+        log.info("exported the tiny LLaVA to %s", path)
+        return path
+
+
+def train(out: str | Path, cfg: TrainConfig) -> Path:
+    random.seed(cfg.seed)
+    return Trainer(out, cfg).run()
