@@ -57,3 +57,21 @@ def test_reading_every_page_equals_the_unwrapped_model_and_a_budget_reads_its_sh
         assert get_stats(wrapped)["page_read_fraction"] == pytest.approx(0.25)
     finally:
         mm_oval.unwrap(wrapped)
+
+
+def test_oval_on_top_of_eviction_reads_its_share_of_the_kept_image_pages(tiny_random_llava):
+    model, processor = tiny_random_llava
+    inputs = _inputs(processor)
+    cfg = OvalConfig(
+        method="snapkv", budget=0.5, retrieval="oval", read_budget=0.5, retrieval_options={"rank": 2}
+    )
+    wrapped = mm_oval.wrap(model, cfg)
+    try:
+        out = wrapped.generate(**inputs, max_new_tokens=4, do_sample=False)
+        stats = get_stats(wrapped)
+    finally:
+        mm_oval.unwrap(wrapped)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 4
+    assert stats["image_kv_fraction_kept"] == pytest.approx(0.5, abs=0.1)
+    # per head, ceil(half) of the image pages that survived eviction (pinned ones excluded) are read
+    assert 0.5 <= stats["page_read_fraction"] < 0.75
