@@ -1,0 +1,156 @@
+"""The wrap's own overhead: prefill and decode time of the wrapped model vs the plain model, in one run.
+
+    python benchmarks/bench_wrap.py                       # the bundled tiny LLaVA (random one if absent)
+    python benchmarks/bench_wrap.py --model DIR --batch 4 --new-tokens 32 --device cuda
+    python benchmarks/bench_wrap.py --methods full snapkv:budget=0.25 knorm --out bench_wrap.json
+
+Each configuration is timed with `generate(max_new_tokens=1)` (prefill) and
+`generate(max_new_tokens=1 + T)`; decode time per token = the difference / T. Configurations are
+interleaved within each repeat (so machine load hits them alike) and the median over repeats is kept.
+Ratios are against the plain (unwrapped) model measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from PIL import Image
+
+import mm_oval
+from mm_oval.config import OvalConfig
+
+
+def load(model_dir: str | None, device: str, dtype: torch.dtype):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    if model_dir is None:
+        try:
+            from mm_oval.zoo import bundled_model_path
+
+            model_dir = str(bundled_model_path())
+        except mm_oval.MmOvalError:
+            from mm_oval.zoo.model import build_tiny_llava
+
+            model, processor = build_tiny_llava(seed=0)
+            return model.to(device=device, dtype=dtype), processor, "tiny random LLaVA"
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    return model, AutoProcessor.from_pretrained(model_dir), model_dir
+
+
+def make_inputs(processor, batch: int, device: str, image_size: int):
+    g = torch.Generator().manual_seed(0)
+    images = [
+        Image.fromarray((torch.rand(image_size, image_size, 3, generator=g) * 255).to(torch.uint8).numpy())
+        for _ in range(batch)
+    ]
+    questions = ["what color is the circle ?", "how many red objects are there in the picture ?"]
+    texts = [f"USER: <image>\n{questions[i % 2]} ASSISTANT:" for i in range(batch)]
+    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def timed_generate(model, inputs, n: int) -> float:
+    if inputs["input_ids"].is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    if inputs["input_ids"].is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", default=None, help="a LLaVA checkpoint directory (default: the bundled tiny model)"
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["full", "snapkv:budget=1.0", "snapkv:budget=0.25", "knorm:budget=0.25"],
+        help="method specs (OvalConfig.from_spec); 'full' = wrapped at budget 1.0",
+    )
+    p.add_argument("--out", default=None, help="write the table as JSON here")
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    model, processor, name = load(args.model, args.device, dtype)
+    image_size = model.config.vision_config.image_size
+    inputs = make_inputs(processor, args.batch, args.device, image_size)
+    configs = {"plain": None, **{m: OvalConfig.from_spec(m) for m in args.methods}}
+
+    def run(cfg: OvalConfig | None, n: int) -> float:
+        if cfg is None:
+            mm_oval.unwrap(model)
+        else:
+            mm_oval.wrap(model, cfg)
+        return timed_generate(model, inputs, n)
+
+    for cfg in configs.values():  # warm-up
+        run(cfg, 2)
+    times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in configs}
+    for _ in range(args.repeats):
+        for key, cfg in configs.items():
+            t1 = run(cfg, 1)
+            tn = run(cfg, 1 + args.new_tokens)
+            times[key]["prefill"].append(t1)
+            times[key]["decode"].append((tn - t1) / args.new_tokens)
+    mm_oval.unwrap(model)
+
+    rows = []
+    base = {k: statistics.median(times["plain"][k]) for k in ("prefill", "decode")}
+    for key in configs:
+        pre, dec = (statistics.median(times[key][k]) for k in ("prefill", "decode"))
+        rows.append(
+            {
+                "config": key,
+                "prefill_ms": 1e3 * pre,
+                "decode_ms_per_token": 1e3 * dec,
+                "prefill_ratio": pre / base["prefill"],
+                "decode_ratio": dec / base["decode"],
+            }
+        )
+    n_prompt = int(inputs["input_ids"].shape[1])
+    print(
+        f"model: {name} | device {args.device} {args.dtype} | batch {args.batch} | prompt {n_prompt} tokens | "
+        f"{args.new_tokens} new tokens | median of {args.repeats} | torch threads {torch.get_num_threads()}"
+    )
+    print(f"{'config':<24}{'prefill ms':>12}{'decode ms/tok':>15}{'prefill x':>11}{'decode x':>10}")
+    for r in rows:
+        print(
+            f"{r['config']:<24}{r['prefill_ms']:>12.2f}{r['decode_ms_per_token']:>15.2f}"
+            f"{r['prefill_ratio']:>11.2f}{r['decode_ratio']:>10.2f}"
+        )
+    if args.out:
+        payload = {
+            "model": name,
+            "device": args.device,
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "prompt_tokens": n_prompt,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "rows": rows,
+        }
+        d = os.path.dirname(os.path.abspath(args.out))
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2)
+        os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
