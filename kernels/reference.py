@@ -48,11 +48,14 @@ def sparse_paged_decode_ref(
     # read only the selected tokens: their indices first (stable), padded to the longest selection
     count = mask.sum(-1)  # (B, Hkv)
     width = int(count.max()) if count.numel() else 0
-    rows = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :width]  # (B, Hkv, width)
     valid = torch.arange(width, device=q.device) < count[..., None]
-    gather = rows[..., None].expand(B, Hkv, width, D)
-    k_sel = torch.gather(k_cache, 2, gather).float()
-    v_sel = torch.gather(v_cache, 2, gather).float()
+    if width == N and bool(valid.all()):  # every token is read: no gather
+        k_sel, v_sel = k_cache.float(), v_cache.float()
+    else:
+        rows = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :width]  # (B, Hkv, width)
+        flat = (rows + torch.arange(B * Hkv, device=q.device).view(B, Hkv, 1) * N).reshape(-1)
+        k_sel = k_cache.reshape(B * Hkv * N, D).index_select(0, flat).view(B, Hkv, width, D).float()
+        v_sel = v_cache.reshape(B * Hkv * N, D).index_select(0, flat).view(B, Hkv, width, D).float()
     qf = q.float().view(B, Hkv, G, D)
     s = torch.einsum("bhgd,bhnd->bhgn", qf, k_sel) * scale
     s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
