@@ -116,18 +116,19 @@ def _comparable(results: dict) -> dict:
     return {k: results[k] for k in ("task", "primary", "counts", "scores", "kv")}
 
 
-def test_batch_of_4_equals_batch_of_1(loaded, vqa_dir, tmp_path):
+@pytest.fixture(scope="module")
+def reference(loaded, vqa_dir, tmp_path_factory):
+    """One uninterrupted single-process run, batch size 1: what every other way of running must equal."""
     model, processor = loaded
-    r1 = evaluate(
-        model,
-        processor,
-        "vqav2",
-        vqa_dir,
-        batch_size=1,
-        out_dir=tmp_path / "b1",
-        max_new_tokens=6,
-        progress=False,
-    )
+    out = tmp_path_factory.mktemp("reference")
+    return evaluate(
+        model, processor, "vqav2", vqa_dir, batch_size=1, out_dir=out, max_new_tokens=6, progress=False
+    ), out
+
+
+def test_batch_of_4_equals_batch_of_1(loaded, vqa_dir, tmp_path, reference):
+    model, processor = loaded
+    r1, b1 = reference
     r4 = evaluate(
         model,
         processor,
@@ -138,14 +139,14 @@ def test_batch_of_4_equals_batch_of_1(loaded, vqa_dir, tmp_path):
         max_new_tokens=6,
         progress=False,
     )
-    p1, p4 = _preds(tmp_path / "b1"), _preds(tmp_path / "b4")
+    p1, p4 = _preds(b1), _preds(tmp_path / "b4")
     assert len(p1) == 8 and p1 == p4
     assert len(set(p1.values())) > 1  # the random model's answers differ between questions: a real check
     assert _comparable(r1) == _comparable(r4)
     # the results file is what evaluate returned, and the official predictions file scores the same
-    on_disk = json.loads((tmp_path / "b1" / "results.json").read_text())
+    on_disk = json.loads((b1 / "results.json").read_text())
     assert on_disk["scores"] == r1["scores"] and on_disk["config"]["task"] == "vqav2"
-    rescored = score_file("vqav2", vqa_dir, tmp_path / "b1" / "predictions_official.json")
+    rescored = score_file("vqav2", vqa_dir, b1 / "predictions_official.json")
     assert rescored["scores"] == r1["scores"]
 
 
@@ -266,18 +267,8 @@ def test_clear_errors(loaded, tmp_path, vqa_dir):
 
 
 @pytest.mark.slow
-def test_two_accelerate_processes_equal_one(loaded, tiny_model_dir, vqa_dir, tmp_path):
-    model, processor = loaded
-    one = evaluate(
-        model,
-        processor,
-        "vqav2",
-        vqa_dir,
-        batch_size=2,
-        out_dir=tmp_path / "one",
-        max_new_tokens=6,
-        progress=False,
-    )
+def test_two_accelerate_processes_equal_one(tiny_model_dir, vqa_dir, tmp_path, reference):
+    one, one_dir = reference
     accelerate = Path(sys.executable).with_name("accelerate")
     # accelerate's --cpu launcher starts one process unless MPI is set up; --multi_gpu starts the processes
     # torchrun-style, and without a GPU they talk over gloo on the CPU
@@ -296,5 +287,53 @@ def test_two_accelerate_processes_equal_one(loaded, tiny_model_dir, vqa_dir, tmp
     assert sorted(two["run"]["per_rank"]) == ["0", "1"]
     assert {v["items"] for v in two["run"]["per_rank"].values()} == {4}
     assert (tmp_path / "two" / "predictions.rank1.jsonl").exists()
-    assert _preds(tmp_path / "two") == _preds(tmp_path / "one")
+    assert _preds(tmp_path / "two") == _preds(one_dir)
     assert _comparable(two) == json.loads(json.dumps(_comparable(one)))
+
+
+KILLABLE = """
+import sys, time
+from mm_oval.eval import runner
+real = runner.generate_batch
+def slow(*a, **k):
+    time.sleep(0.4)  # leaves time to kill the process between two batches or in the middle of one
+    return real(*a, **k)
+runner.generate_batch = slow
+from mm_oval.eval.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigkilled_process_resumes_to_the_same_results(loaded, tiny_model_dir, vqa_dir, tmp_path, reference):
+    import signal
+
+    model, processor = loaded
+    kw = {"batch_size": 1, "max_new_tokens": 6, "progress": False}
+    ref, ref_dir = reference
+    out = tmp_path / "killed"
+    script = tmp_path / "killable.py"
+    script.write_text(KILLABLE)
+    args = ["--model", str(tiny_model_dir), "--task", "vqav2", "--data", str(vqa_dir), "--out", str(out),
+            "--batch-size", "1", "--max-new-tokens", "6", "--dtype", "float32", "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
+    preds = out / "predictions.rank0.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if preds.exists() and len(preds.read_text().splitlines()) >= 3:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
+    assert not (out / "results.json").exists()
+    whole = [
+        line for line in preds.read_text().split("\n")[:-1] if line.strip()
+    ]  # a cut last line is not whole
+    assert 2 <= len(whole) < 8
+    resumed = evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, model_name=str(tiny_model_dir), **kw)
+    assert resumed["run"]["new_items"] == 8 - len(whole)
+    assert _preds(out) == _preds(ref_dir)
+    assert _comparable(resumed) == _comparable(ref)
