@@ -565,6 +565,17 @@ def evaluate(
             "per_rank": per_rank,
         },
     }
+    if multi_turn:
+        # the primary score of the questions asked at each turn: does a cache compressed once hold up?
+        turns: dict[int, list[Item]] = {}
+        for it in items:
+            t = all_records.get(it.id, {}).get("turn")
+            if t is not None:
+                turns.setdefault(int(t), []).append(it)
+        results["scores_by_turn"] = {
+            str(t): {"primary": task_obj.primary(task_obj.score(its, predictions)), "items": len(its)}
+            for t, its in sorted(turns.items())
+        }
     if out is not None and state.is_main_process:
         official = task_obj.write_predictions(out / "predictions_official", items, predictions)
         results["official_predictions"] = official.name

@@ -231,6 +231,7 @@ def test_multi_turn_full_cache_matches_reprefill(loaded, vqa_dir, tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "predictions.rank0.jsonl").read_text().splitlines()]
     assert sorted(r["turn"] for r in recs) == [0, 0, 0, 0, 1, 1, 1, 1]
     assert res["counts"]["predictions"] == 8
+    assert {t: v["items"] for t, v in res["scores_by_turn"].items()} == {"0": 4, "1": 4}
     # later turns reuse the cache: each answer must equal a fresh generate over the whole conversation
     from mm_oval.eval.runner import generate_conversation
     from mm_oval.eval.vqa import VQAv2Task
