@@ -467,6 +467,8 @@ def evaluate(
         state.wait_for_everyone()
         done = _read_done(out, ids)
 
+    if multi_turn and batch_size > 1:
+        log.warning("--multi-turn runs one conversation at a time; --batch-size %d is ignored", batch_size)
     units = _units(items, multi_turn)
     mine = units[rank::world]
     todo = [u for u in mine if not all(it.id in done for it in u)]
