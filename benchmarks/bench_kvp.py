@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"heldout_traces": str(held_dir), "num_heldout": len(held), "agents": loaded.source}
 
     # 1. KVP vs the baselines
-    rows = {"kvp": asdict(heldout_cost(agent_scorer(loaded.agents), held, cfg.sinks, cfg.recent))}
+    kvp_cost = heldout_cost(
+        agent_scorer(loaded.agents), held, cfg.sinks, cfg.recent, shared_normalise=not cfg.joint_heads
+    )
+    rows = {"kvp": asdict(kvp_cost)}
     for name in BASELINES:
         pol = make_eviction(name)
         if pol.needs_queries and "queries" not in held[0]:
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "shared agent": {"shared": True},
             "no modality/2-D features": {"extra_features": ("relpos",)},
             "paper agent (no extras)": {"extra_features": ()},
+            "joint-heads training": {"joint_heads": not cfg.joint_heads},
         }
         abl = {"kvp (committed agents)": rows["kvp"]}
         for vname, change in variants.items():
@@ -214,13 +218,24 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             res = train_agents(train, acfg, tcfg)
             log.info("ablation %r: %d steps in %.0f s", vname, tcfg.steps, time.time() - t0)
-            abl[vname] = asdict(heldout_cost(agent_scorer(res.agents), held, cfg.sinks, cfg.recent))
+            hc = heldout_cost(
+                agent_scorer(res.agents), held, cfg.sinks, cfg.recent, shared_normalise=not acfg.joint_heads
+            )
+            abl[vname] = asdict(hc)
         results["ablations"] = {"train_steps": tcfg.steps, "train_traces": len(train), "rows": abl}
         print()
         print(
             table(
                 abl, f"ablations ({tcfg.steps} steps each on {len(train)} train traces, same held-out traces)"
             )
+        )
+        jname = "kvp, joint-heads trained" if not cfg.joint_heads else "kvp, per-head trained"
+        r = abl["joint-heads training"]
+        hb[jname] = {"uniform": r["evicted"], "shared": r["evicted_shared_heads"]}
+        print(f"\nhead budget for the other training mode ({jname}):")
+        print(
+            f"{'':<12}"
+            + "".join(f"{r['evicted'][b]:>9.2f}{r['evicted_shared_heads'][b]:>10.2f}" for b in BUDGETS)
         )
 
     # 4. scoring cost vs prefill

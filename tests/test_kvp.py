@@ -372,3 +372,40 @@ def test_train_kvp_command_smoke_run(tiny_random_llava, tmp_path):
     assert table["optimal"]["cost"] == pytest.approx(1.0)
     assert set(table) >= {"kvp", "random", "streamingllm", "knorm", "keydiff"}
     assert main(argv) == 0  # everything resumes: nothing is captured or trained twice
+
+
+def test_joint_heads_training_ranks_a_layers_heads_together_and_the_policy_keeps_its_scale():
+    from mm_oval.training.kvp import Batch, contexts
+
+    L, H, B, N = 2, 2, 3, 5
+    cfg = KVPAgentConfig(num_layers=L, num_kv_heads=H, head_dim=8, joint_heads=True)
+    scores = torch.arange(L * H * B * N, dtype=torch.float).reshape(L * H, B, N)
+    batch = Batch(
+        keys=torch.zeros(0),
+        values=torch.zeros(0),
+        positions=torch.zeros(0),
+        extra=None,
+        utility=scores.clone(),
+        eligible=torch.ones(B, N, dtype=torch.bool),
+        modality=torch.zeros(B, N),
+    )
+    s, u, v = contexts(scores, batch, cfg)
+    assert s.shape == (L * B, H * N) and torch.equal(s, u) and v.all()
+    # context (layer 1, sample 2) holds head 0 then head 1 of that layer and sample
+    expect = torch.cat([scores[1 * H + 0, 2], scores[1 * H + 1, 2]])
+    assert torch.equal(s[1 * B + 2], expect)
+    agents = _perturbed(
+        KVPAgents(KVPAgentConfig(num_layers=1, num_kv_heads=2, head_dim=16, joint_heads=True))
+    )
+    ctx = PrefillContext(
+        layer_idx=0,
+        keys=torch.randn(1, 2, 6, 16),
+        values=torch.randn(1, 2, 6, 16),
+        queries=None,
+        positions=torch.arange(6)[None],
+        modality=torch.full((1, 6), TEXT),
+        image_rc=torch.full((1, 6, 3), -1),
+        scaling=0.25,
+    )
+    policy = KVPPolicy(agents=agents)
+    assert torch.equal(policy.score(ctx), policy.raw_scores(ctx))

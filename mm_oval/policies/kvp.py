@@ -144,6 +144,9 @@ class KVPAgentConfig:
     grid_side: int = 0  # image patch grid side (e.g. 8 for 64 image tokens); 0 = infer per prompt
     sinks: int = 4  # always-kept first tokens (excluded from training rankings)
     recent: int = 16  # always-kept last prompt tokens (excluded from training rankings)
+    # trained on one ranking over all KV heads of a layer: raw scores are comparable across heads (for a
+    # budget shared by the heads); otherwise each head ranks its own tokens and scores are normalised per head
+    joint_heads: bool = False
 
     def __post_init__(self) -> None:
         self.extra_features = tuple(self.extra_features)
@@ -456,9 +459,9 @@ class KVPPolicy(EvictionPolicy):
     the agents' recorded shape and fingerprint at once; otherwise each layer is checked on first use
     (shape from the keys, fingerprint from the layer's k_proj / v_proj).
 
-    `score` returns per-head log-softmax normalised scores (B, Hkv, N): the per-head order is the agents'
-    ranking, and the values are comparable across the heads of a layer (the cache may rank them jointly
-    for a budget shared across heads). `score_tokens` scores tokens arriving during decode on the same
+    `score` returns (B, Hkv, N) scores whose per-head order is the agents' ranking and whose values are
+    comparable across the heads of a layer (the cache may rank them jointly for a budget shared across
+    heads): raw scores of agents trained with `joint_heads`, per-head log-softmax normalised otherwise. `score_tokens` scores tokens arriving during decode on the same
     scale (normalised by the prefill's per-head log-partition, kept in ctx.extra)."""
 
     name = "kvp"
@@ -528,6 +531,8 @@ class KVPPolicy(EvictionPolicy):
     @torch.no_grad()
     def score(self, ctx: PrefillContext) -> torch.Tensor:
         raw = self.raw_scores(ctx)
+        if self.agents.config.joint_heads:  # already on one scale across the layer's heads
+            return raw
         lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # padding is -inf and drops out
         ctx.extra.setdefault("kvp_log_partition", {})[ctx.layer_idx] = lse
         return raw - lse

@@ -71,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="extra features: any of modality,grid,relpos, or 'none' (the paper's agent)",
     )
     p.add_argument("--shared", action="store_true", help="one agent shared by every (layer, head) (ablation)")
+    p.add_argument(
+        "--joint-heads",
+        action="store_true",
+        help="rank the tokens of all KV heads of a layer together in training (scores comparable across heads)",
+    )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
     p.add_argument("--device", default=None, help="device for capture (default: cuda if available)")
@@ -173,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         pos_table=min(int(tc["max_positions"]), 6000),
         extra_features=feats,
         shared=args.shared,
+        joint_heads=args.joint_heads,
         grid_side=int(round((tc.get("image_seq_length") or 0) ** 0.5)),
         sinks=args.sinks,
         recent=args.recent,
@@ -196,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
     }
     table = {}
     for name, scorer in methods.items():
-        hc = heldout_cost(scorer, held, args.sinks, args.recent, shared_normalise=name != "optimal")
+        on_one_scale = name == "optimal" or (name == "kvp" and agent_cfg.joint_heads)
+        hc = heldout_cost(scorer, held, args.sinks, args.recent, shared_normalise=not on_one_scale)
         table[name] = asdict(hc)
     lines = [
         f"{'method':<14}{'cost':>8}{'cost img':>10}"

@@ -178,6 +178,21 @@ def batch_scores(agents: KVPAgents, batch: Batch) -> torch.Tensor:
     return agents(ids, batch.keys, batch.values, batch.positions, batch.extra).reshape(A, B, N)
 
 
+def contexts(scores: torch.Tensor, batch: Batch, cfg: KVPAgentConfig) -> tuple[torch.Tensor, ...]:
+    """(A, B, N) agent scores -> (scores, utility, valid) per ranking context: one context per (agent,
+    sample), or with `joint_heads` one per (layer, sample) over the tokens of all its KV heads."""
+    A, B, N = scores.shape
+    valid = batch.eligible[None].expand(A, B, N)
+    if not cfg.joint_heads:
+        return scores.reshape(A * B, N), batch.utility.reshape(A * B, N), valid.reshape(A * B, N)
+    L, H = cfg.num_layers, cfg.num_kv_heads
+
+    def joint(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(L, H, B, N).permute(0, 2, 1, 3).reshape(L * B, H * N)
+
+    return joint(scores), joint(batch.utility), joint(valid)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the trainer
 # ----------------------------------------------------------------------------------------------------------
@@ -290,9 +305,7 @@ def train_agents(
         idx = rng.sample(range(len(traces)), min(cfg.batch_samples, len(traces)))
         batch = collate([traces[i] for i in idx], agent_cfg)
         A, B, N = batch.shape
-        scores = batch_scores(agents, batch).reshape(A * B, N)
-        util = batch.utility.reshape(A * B, N)
-        valid = batch.eligible[None].expand(A, B, N).reshape(A * B, N)
+        scores, util, valid = contexts(batch_scores(agents, batch), batch, agent_cfg)
         loss, reward = rloo_loss(scores, util, valid, cfg.rankings, g)
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
