@@ -179,7 +179,7 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self._k = self._v = None
         self.phase = "empty"
         self.logical_len = 0
         self.is_initialized = False
@@ -234,28 +234,103 @@ class PagedLayer(CacheLayerMixin):
         src = lay.src.clamp(min=0)
         ok = lay.src >= 0
         idx = src.unsqueeze(-1).expand(*src.shape, D)
-        self.keys = keys.gather(2, idx) * ok.unsqueeze(-1)
-        self.values = values.gather(2, idx) * ok.unsqueeze(-1)
         exp = lambda t: t.unsqueeze(1).expand(B, H, N)  # noqa: E731
-        self.slot_valid = ok
-        self.slot_pos = torch.where(ok, exp(info.positions).gather(-1, src), -1)
-        self.slot_mod = torch.where(ok, exp(info.modality.long()).gather(-1, src), PAD).to(torch.int8)
-        self.slot_page = lay.slot_page
-        self.slot_src = lay.src  # prompt index of each slot, -1 for empty and generated slots
+        # per-slot facts of the prompt slots (decode slots are all valid text at consecutive positions)
+        self._p_pos = torch.where(ok, exp(info.positions).gather(-1, src), -1)
+        self._p_mod = torch.where(ok, exp(info.modality.long()).gather(-1, src), PAD).to(torch.int8)
+        self._p_src = lay.src
         rc = info.image_rc.unsqueeze(1).expand(B, H, N, 3).gather(2, src.unsqueeze(-1).expand(*src.shape, 3))
-        self.slot_rc = torch.where(ok.unsqueeze(-1), rc, -1)
-        self.prompt_slots = self.keys.shape[2]
-        self.prompt_pages = lay.page_start.shape[-1]
-        self.page_start, self.page_len = lay.page_start, lay.page_len
-        self.page_kind, self.page_pinned = lay.page_kind, lay.page_pinned
-        self.next_pos = info.next_pos.clone()
+        self._p_rc = torch.where(ok.unsqueeze(-1), rc, -1)
+        self.prompt_slots = L0 = lay.src.shape[2]
+        self.prompt_pages = P0 = lay.page_start.shape[-1]
+        self.first_pos = info.next_pos.clone()  # position of the first decode token, per sample
         self.n_decode = 0
+        self.all_valid = bool(ok.all())  # no empty slot: decode may skip the mask
+        # storage with room to grow (decode writes in place; `keys` etc. are views of the used part)
+        self._alloc(L0 + self._room(L0), keys.dtype, keys.device, B, H, D)
+        self._k[:, :, :L0] = keys.gather(2, idx) * ok.unsqueeze(-1)
+        self._v[:, :, :L0] = values.gather(2, idx) * ok.unsqueeze(-1)
+        self._valid[..., :L0] = ok
+        self._page[..., :L0] = lay.slot_page
+        self._pstart[..., :P0], self._plen[..., :P0] = lay.page_start, lay.page_len
+        self._pkind[..., :P0], self._ppinned[..., :P0] = lay.page_kind, lay.page_pinned
+        self._set_views()
         self.module = module
         self.summaries: dict[str, torch.Tensor] = {}
         if owner.retrieval is not None:
             self._summarize(0, self.prompt_pages)
         self.phase = "decode"
         self._record_prefill_stats(valid, info)
+
+    # ---- storage -------------------------------------------------------------------------------------
+    def _room(self, used: int) -> int:
+        """Decode slots allocated after prefill (doubled when full): a multiple of the text page size."""
+        S = self.owner.config.text_page_size
+        return -(-64 // S) * S
+
+    def _alloc(self, cap: int, dtype: torch.dtype, device: torch.device, B: int, H: int, D: int) -> None:
+        S = self.owner.config.text_page_size
+        L0, P0 = self.prompt_slots, self.prompt_pages
+        self._cap = cap
+        self._k = torch.zeros(B, H, cap, D, dtype=dtype, device=device)
+        self._v = torch.zeros(B, H, cap, D, dtype=dtype, device=device)
+        self._valid = torch.zeros(B, H, cap, dtype=torch.bool, device=device)
+        t = torch.arange(cap - L0, device=device)
+        self._page = torch.full((B, H, cap), -1, dtype=torch.long, device=device)
+        self._page[..., L0:] = P0 + t // S
+        n_dec_pages = -(-(cap - L0) // S)
+        pcap = P0 + n_dec_pages
+        j = torch.arange(n_dec_pages, device=device)
+        self._pstart = torch.zeros(B, H, pcap, dtype=torch.long, device=device)
+        self._pstart[..., P0:] = L0 + j * S
+        self._plen = torch.zeros(B, H, pcap, dtype=torch.long, device=device)
+        self._pkind = torch.full((B, H, pcap), TEXT, dtype=torch.int8, device=device)
+        self._ppinned = torch.zeros(B, H, pcap, dtype=torch.bool, device=device)
+
+    def _grow(self, need: int) -> None:
+        B, H, used, D = self.keys.shape
+        P = self.page_len.shape[-1]
+        old = (self._k, self._v, self._valid, self._pstart, self._plen, self._pkind, self._ppinned)
+        cap = max(need, self.prompt_slots + 2 * (self._cap - self.prompt_slots))
+        self._alloc(cap, self._k.dtype, self._k.device, B, H, D)
+        self._k[:, :, :used], self._v[:, :, :used] = old[0][:, :, :used], old[1][:, :, :used]
+        self._valid[..., :used] = old[2][..., :used]
+        for new_t, old_t in zip((self._pstart, self._plen, self._pkind, self._ppinned), old[3:]):
+            new_t[..., :P] = old_t[..., :P]
+
+    def _set_views(self) -> None:
+        L = self.prompt_slots + self.n_decode
+        P = self.prompt_pages + -(-self.n_decode // self.owner.config.text_page_size)
+        self.keys, self.values = self._k[:, :, :L], self._v[:, :, :L]
+        self.slot_valid, self.slot_page = self._valid[..., :L], self._page[..., :L]
+        self.page_start, self.page_len = self._pstart[..., :P], self._plen[..., :P]
+        self.page_kind, self.page_pinned = self._pkind[..., :P], self._ppinned[..., :P]
+
+    def _decode_part(self, prompt: torch.Tensor, fill: torch.Tensor | int) -> torch.Tensor:
+        B, H = prompt.shape[:2]
+        if isinstance(fill, int):
+            fill = torch.full(
+                (B, H, self.n_decode, *prompt.shape[3:]), fill, dtype=prompt.dtype, device=prompt.device
+            )
+        return torch.cat([prompt, fill], dim=2)
+
+    @property
+    def slot_pos(self) -> torch.Tensor:  # (B, Hkv, L) original position of each slot, -1 if empty
+        B, H = self._p_pos.shape[:2]
+        t = self.first_pos.view(B, 1, 1) + torch.arange(self.n_decode, device=self._p_pos.device)
+        return self._decode_part(self._p_pos, t.expand(B, H, self.n_decode))
+
+    @property
+    def slot_mod(self) -> torch.Tensor:  # (B, Hkv, L) int8 TEXT / IMAGE / PAD (empty)
+        return self._decode_part(self._p_mod, TEXT)
+
+    @property
+    def slot_src(self) -> torch.Tensor:  # (B, Hkv, L) prompt index of each slot, -1 for empty/generated
+        return self._decode_part(self._p_src, -1)
+
+    @property
+    def slot_rc(self) -> torch.Tensor:  # (B, Hkv, L, 3) (image, row, col) of image slots, -1 elsewhere
+        return self._decode_part(self._p_rc, -1)
 
     def _summarize(self, first: int, stop: int) -> None:
         k, v, mask, src = gather_pages(
@@ -294,47 +369,25 @@ class PagedLayer(CacheLayerMixin):
 
     # ---- decode ------------------------------------------------------------------------------------
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        B, H, q, _ = k.shape
-        dev = k.device
-        self.keys = torch.cat([self.keys, k], dim=2)
-        self.values = torch.cat([self.values, v], dim=2)
-        pos = self.next_pos.view(B, 1) + torch.arange(q, device=dev)
-        self.next_pos = self.next_pos + q
-        self.slot_valid = torch.cat([self.slot_valid, torch.ones(B, H, q, dtype=torch.bool, device=dev)], -1)
-        self.slot_pos = torch.cat([self.slot_pos, pos.unsqueeze(1).expand(B, H, q)], -1)
-        self.slot_mod = torch.cat(
-            [self.slot_mod, torch.full((B, H, q), TEXT, dtype=torch.int8, device=dev)], -1
-        )
-        self.slot_rc = torch.cat(
-            [self.slot_rc, torch.full((B, H, q, 3), -1, dtype=torch.long, device=dev)], 2
-        )
+        q = k.shape[2]
         S = self.owner.config.text_page_size
-        t = self.n_decode + torch.arange(q, device=dev)
-        page = (self.prompt_pages + t // S).view(1, 1, q).expand(B, H, q)
-        self.slot_page = torch.cat([self.slot_page, page], -1)
-        self.slot_src = torch.cat(
-            [self.slot_src, torch.full((B, H, q), -1, dtype=torch.long, device=dev)], -1
-        )
+        L = self.prompt_slots + self.n_decode
+        if L + q > self._cap:
+            self._grow(L + q)
+        self._k[:, :, L : L + q] = k
+        self._v[:, :, L : L + q] = v
+        self._valid[..., L : L + q] = True
         closed_before = self.n_decode // S
+        first_open = self.prompt_pages + closed_before
         self.n_decode += q
         self.logical_len += q
-        # decode pages: page j starts at prompt_slots + j * S
-        n_pages = -(-self.n_decode // S)
-        j = torch.arange(n_pages, device=dev)
-        dec_start = (self.prompt_slots + j * S).view(1, 1, -1).expand(B, H, -1)
-        dec_len = (self.n_decode - j * S).clamp(max=S).view(1, 1, -1).expand(B, H, -1)
-        P0 = self.prompt_pages
-        self.page_start = torch.cat([self.page_start[..., :P0], dec_start], -1)
-        self.page_len = torch.cat([self.page_len[..., :P0], dec_len], -1)
-        self.page_kind = torch.cat(
-            [self.page_kind[..., :P0], torch.full((B, H, n_pages), TEXT, dtype=torch.int8, device=dev)], -1
-        )
-        self.page_pinned = torch.cat(
-            [self.page_pinned[..., :P0], torch.zeros((B, H, n_pages), dtype=torch.bool, device=dev)], -1
-        )
+        last = self.prompt_pages + -(-self.n_decode // S)
+        for j in range(first_open, last):  # the pages these tokens went to (usually one)
+            self._plen[..., j] = min(S, self.n_decode - (j - self.prompt_pages) * S)
+        self._set_views()
         closed_now = self.n_decode // S
         if self.owner.retrieval is not None and closed_now > closed_before:
-            self._summarize(P0 + closed_before, P0 + closed_now)
+            self._summarize(self.prompt_pages + closed_before, self.prompt_pages + closed_now)
 
     def read_pages(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """(B, Hkv, P) bool: the pages each KV head reads at this step; None when it reads them all."""
@@ -366,14 +419,19 @@ class PagedLayer(CacheLayerMixin):
         rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
         return torch.cat([chosen | ~cand, rest], -1) & (self.page_len > 0)
 
-    def read_mask(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """(B, Hkv, Q, L) bool: the slots each KV head reads for the Q newest tokens."""
+    def read_mask(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+        """(B, Hkv, Q, L) bool: the slots each KV head reads for the Q newest tokens (None: all of them,
+        one new token)."""
         B, H, L = self.slot_valid.shape
         q = query.shape[2]
         pages = self.read_pages(query, scaling)
+        if pages is None and q == 1 and self.all_valid:
+            return None
         slots = self.slot_valid
         if pages is not None:
             slots = slots & pages.gather(-1, self.slot_page.clamp(min=0))
+        if q == 1:
+            return slots.unsqueeze(2)
         mask = slots.unsqueeze(2).expand(B, H, q, L).clone()
         # the q newest slots: causal among themselves
         mask[..., L - q :] = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
@@ -405,10 +463,14 @@ class PagedLayer(CacheLayerMixin):
                 max_page_len=max(cfg.image_tile**2, cfg.text_page_size),
             )
             return out.unsqueeze(1)
-        mask = self.read_mask(query, scaling)  # (B, H, q, L)
+        mask = self.read_mask(query, scaling)  # (B, H, q, L) or None
         # GQA without repeating keys: the G query heads of a KV head become G * q rows
         qg = query.reshape(B, H, G * q, D)
-        mg = mask.unsqueeze(2).expand(B, H, G, q, mask.shape[-1]).reshape(B, H, G * q, -1)
+        mg = (
+            None
+            if mask is None
+            else mask.unsqueeze(2).expand(B, H, G, q, mask.shape[-1]).reshape(B, H, G * q, -1)
+        )
         out = F.scaled_dot_product_attention(qg, self.keys, self.values, attn_mask=mg, scale=scaling)
         return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
 

@@ -344,3 +344,34 @@ def test_the_kernel_decode_path_equals_the_sdpa_path(model_and_processor, read_b
         cache.kernels = True
         got = layer.attend(q, D**-0.5)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_storage_grows_in_place_during_long_decodes(model_and_processor):
+    """Decode writes into preallocated room that doubles when full; what attention reads is unchanged."""
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    mm_oval.wrap(model, method="knorm", budget=0.5, text_page_size=8)
+    layer = prefill(model, **inputs).layers[2]
+    B, H, L0, D = layer.keys.shape
+    g = torch.Generator().manual_seed(0)
+    new_k, new_v = torch.randn(B, H, 150, D, generator=g), torch.randn(B, H, 150, D, generator=g)
+    before = layer.keys.clone()
+    for t in range(150):
+        layer.update(new_k[:, :, t : t + 1], new_v[:, :, t : t + 1])
+    assert layer.keys.shape[2] == L0 + 150 and layer._cap >= L0 + 150
+    torch.testing.assert_close(layer.keys[:, :, :L0], before)
+    torch.testing.assert_close(layer.keys[:, :, L0:], new_k)
+    torch.testing.assert_close(layer.values[:, :, L0:], new_v)
+    assert layer.page_len[0, 0, layer.prompt_pages :].tolist() == [8] * 18 + [6]
+    assert (layer.page_start[..., layer.prompt_pages + 3] == L0 + 24).all()
+    n = inputs["attention_mask"].sum(-1)
+    assert layer.slot_pos[:, 0, -1].tolist() == (n + 149).tolist()
+    q = torch.randn(B, 2 * H, 1, D, generator=g)
+    out = layer.attend(q, D**-0.5)
+    for b in range(B):
+        for h in range(H):
+            keep = layer.slot_valid[b, h]
+            k, v = layer.keys[b, h, keep], layer.values[b, h, keep]
+            for gq in range(2):
+                a = torch.softmax(q[b, h * 2 + gq, 0] @ k.T * D**-0.5, -1)
+                torch.testing.assert_close(out[b, 0, h * 2 + gq], a @ v, atol=1e-5, rtol=1e-5)
