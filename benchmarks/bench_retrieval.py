@@ -13,7 +13,8 @@ sinks / the recent window (what a read budget applies to). Reported per method a
 routed queries, layers and query heads:
   image_mass  share of the exact attention mass on candidate pages that the selected pages hold;
   top16_mass  share of the mass of the 16 highest-attention candidate tokens that the selected pages hold.
-`oracle` picks pages by their exact mass (the best any method can do), `random` is the expected share.
+`oracle` picks, per KV head, the pages with the largest exact share averaged over the group's query
+heads (the best any method can do on image_mass), `random` is the expected share.
 
 Cost. The model is wrapped with each retrieval method at read budget 25% and generates; the time spent
 in the policy's `score_pages` + `select` is measured inside the same decode steps as the step time, so
@@ -204,8 +205,9 @@ def quality(
                     for name, pol in policies.items():
                         ctx.summaries = summaries[name]
                         picks[name] = {b: pol.select(ctx, b)[0] for b in BUDGETS}  # (Hkv, P) bool
-                    # the oracle: pages by exact group-mean mass
-                    gm = page_mass.view(hkv, group, p).mean(1)
+                    # the oracle: the pages with the largest group-mean share of each head's image mass
+                    # (the metric below is that mean share, so these pages maximise it)
+                    gm = (page_mass / tot.unsqueeze(-1)).view(hkv, group, p).mean(1)
                     ctx.summaries = {}
                     for b in BUDGETS:
                         kb = math.ceil(n_cand * b - 1e-9)
