@@ -160,3 +160,26 @@ def test_bad_router_configs_raise_config_errors():
     with pytest.raises(ConfigError, match="locality_tau"):
         HybridRouter(RouterConfig(hidden_size=8, num_layers=1, num_kv_heads=1, locality_tau=-1.0))
     assert math.isclose(_router().log_temperature.exp().item(), 4.0, rel_tol=1e-6)
+
+
+def test_bundled_router_holds_more_image_attention_than_a_random_pick():
+    """Quality on the bundled trained tiny LLaVA: held-out prompts (a seed no training used)."""
+    import mm_oval
+    from mm_oval.policies.router import bundled_router_path
+    from mm_oval.training.router import capture_router_data, zoo_prompts
+
+    try:
+        from mm_oval.zoo import bundled_model_path
+
+        model_dir, router_dir = bundled_model_path(), bundled_router_path()
+    except mm_oval.MmOvalError as e:
+        pytest.skip(f"bundled model or router not present: {e}")
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
+    router = load_router(router_dir, model)  # also checks it was trained for this very model
+    samples = capture_router_data(model, processor, zoo_prompts(12, 7777), max_new_tokens=2)
+    got = evaluate_capture(router, samples, read_budget=0.25)
+    assert got["router"] > got["random"] + 0.03
+    assert got["router"] <= got["oracle"] + 1e-6
