@@ -101,5 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict) -> None:
     scores = {k: v for k, v in results["scores"].items() if not isinstance(v, dict)}
-    print(f"{results['task']}: {results['primary_metric']} = {results['primary']:.2f}")
+    primary = results["primary"]
+    shown = "n/a (no ground truth)" if primary is None else f"{primary:.2f}"
+    print(f"{results['task']}: {results['primary_metric']} = {shown}")
     print(json.dumps(scores, indent=1))

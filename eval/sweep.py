@@ -95,6 +95,7 @@ def run_sweep(
         "task": task_obj.name,
         "primary_metric": task_obj.primary_metric,
         "full": None if full_result is None else full_result["primary"],
+        "full_ran": full_result is not None,
         "methods": [m for m in methods if m != "full"],
         "budgets": budgets,
         "cells": cells,
@@ -105,9 +106,10 @@ def run_sweep(
     if process_state().is_main_process:
         atomic_write_json(out / "sweep.json", summary)
         atomic_write_text(out / "sweep.md", markdown_table(summary))
-        if cells:
+        scored = [c for c in cells if c["primary"] is not None]
+        if scored:
             plot_sweep(
-                cells,
+                scored,
                 summary["full"],
                 out / "sweep.png",
                 title=f"{task_obj.name}: {task_obj.primary_metric} vs KV budget",
@@ -125,8 +127,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "| method | " + " | ".join(f"{b:g}" for b in budgets) + " |",
         "|---|" + "---:|" * len(budgets),
     ]
-    if summary["full"] is not None:
-        lines.append("| full | " + " | ".join(f"{summary['full']:.2f}" for _ in budgets) + " |")
+    if summary.get("full_ran"):
+        full = "n/a" if summary["full"] is None else f"{summary['full']:.2f}"
+        lines.append("| full | " + " | ".join(full for _ in budgets) + " |")
     by = {(c["method"], c["budget"]): c for c in summary["cells"]}
     for m in summary["methods"]:
         row = []
@@ -136,6 +139,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
                 row.append("")
                 continue
             kept = c.get("kv_fraction_kept")
-            row.append(f"{c['primary']:.2f}" + (f" ({100 * kept:.0f}%)" if kept is not None else ""))
+            score = "n/a" if c["primary"] is None else f"{c['primary']:.2f}"
+            row.append(score + (f" ({100 * kept:.0f}%)" if kept is not None else ""))
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"

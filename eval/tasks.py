@@ -55,8 +55,10 @@ class Task(ABC):
     def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:
         """Write predictions in the official format (what `read_predictions` reads); return the path."""
 
-    def primary(self, scores: dict[str, Any]) -> float:
-        return float(scores[self.primary_metric])
+    def primary(self, scores: dict[str, Any]) -> float | None:
+        """The headline score; None when the data has no ground truth (e.g. VQAv2 test-dev)."""
+        value = scores[self.primary_metric]
+        return None if value is None else float(value)
 
 
 TASKS: dict[str, str] = {

@@ -232,15 +232,20 @@ class VQAv2Task(Task):
         **_: Any,
     ) -> list[Item]:
         q_path = Path(questions) if questions else find_one(data, ["*questions*.json"], "VQA questions")
-        a_path = (
-            Path(annotations) if annotations else find_one(data, ["*annotations*.json"], "VQA annotations")
-        )
+        a_path: Path | None = Path(annotations) if annotations else None
+        folder = data if data.is_dir() else data.parent
+        if a_path is None and any(folder.glob("*annotations*.json")):
+            a_path = find_one(folder, ["*annotations*.json"], "VQA annotations")
         image_dir = find_image_dir(data, images, ("images", "val2014", "test2015"))
         mapping = read_json(image_map, "image mapping") if image_map else None
         qs = read_json(q_path, "VQA questions file")
-        anns = read_json(a_path, "VQA annotations file")
         if not isinstance(qs, dict) or "questions" not in qs:
             raise DataError(f"{q_path}: expected a JSON object with a 'questions' list (the VQAv2 layout)")
+        if a_path is None:
+            # test-dev / test: no answers to score; predictions are written in the submission format
+            log.info("%s: no annotations file; predicting only (submit predictions_official.json)", q_path)
+            return self._unlabeled(qs, q_path, image_dir, mapping, limit)
+        anns = read_json(a_path, "VQA annotations file")
         if not isinstance(anns, dict) or "annotations" not in anns:
             raise DataError(f"{a_path}: expected a JSON object with an 'annotations' list (the VQAv2 layout)")
         by_qid: dict[int, dict] = {}
@@ -285,7 +290,39 @@ class VQAv2Task(Task):
                 break
         return items
 
+    def _unlabeled(
+        self, qs: dict, q_path: Path, image_dir: Path, mapping: dict | None, limit: int | None
+    ) -> list[Item]:
+        items = []
+        for i, q in enumerate(qs["questions"]):
+            try:
+                qid, image_id, question = int(q["question_id"]), q["image_id"], q["question"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise DataError(
+                    f"{q_path}, questions[{i}]: needs question_id, image_id and question ({e})"
+                ) from e
+            path = coco_image_path(image_dir, image_id, mapping)
+            items.append(
+                Item(
+                    id=str(qid),
+                    prompt=f"{question}\n{SHORT_ANSWER_PROMPT}",
+                    image=_image_loader(path),
+                    meta={"answers": None, "question": question, "image_path": str(path)},
+                    group=str(image_id),
+                )
+            )
+            if limit is not None and len(items) >= limit:
+                break
+        return items
+
     def score(self, items: list[Item], predictions: dict[str, str]) -> dict[str, Any]:
+        if any(it.meta["answers"] is None for it in items):
+            return {
+                "overall": None,
+                "num_questions": len(items),
+                "num_missing_predictions": sum(it.id not in predictions for it in items),
+                "note": "no annotations: submit predictions_official.json to the evaluation server",
+            }
         rows = []
         missing = 0
         for it in items:

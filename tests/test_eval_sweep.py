@@ -117,3 +117,18 @@ def test_bundled_data_loads_in_every_format():
     for task in (MMBenchTask(), VQAv2Task(), POPETask()):
         items = task.load(data, limit=3)
         assert items and items[0].image().size[0] > 0
+
+
+def test_vqav2_without_annotations_writes_a_submission_file(tiny_random_llava, tmp_path, capsys):
+    from mm_oval.eval import evaluate
+
+    model, processor = tiny_random_llava
+    data = _vqa(tmp_path / "testdev")
+    (data / "a_annotations.json").unlink()  # test-dev ships questions only
+    res = evaluate(
+        model, processor, "vqav2", data, max_new_tokens=3, out_dir=tmp_path / "out", progress=False
+    )
+    assert res["primary"] is None and res["scores"]["num_questions"] == 3
+    submission = json.loads((tmp_path / "out" / "predictions_official.json").read_text())
+    assert [r["question_id"] for r in submission] == [10, 11, 12]
+    assert all(isinstance(r["answer"], str) for r in submission)
