@@ -83,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         default=["full", "snapkv:budget=1.0", "snapkv:budget=0.25", "knorm:budget=0.25"],
         help="method specs (OvalConfig.from_spec); 'full' = wrapped at budget 1.0",
     )
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (1 is the most stable)")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(args.threads)
     model, processor, name = load(args.model, args.device, dtype)
     image_size = model.config.vision_config.image_size
     inputs = make_inputs(processor, args.batch, args.device, image_size)

@@ -137,7 +137,6 @@ class PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.phase = "empty"  # empty -> prefill (full prompt stored) -> decode (compressed + appended)
         self.logical_len = 0
-        self.stats: dict[str, Any] = {}
 
     # ---- transformers' CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -180,6 +179,7 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self._k = self._v = None
+        self._stats_t = None
         self.phase = "empty"
         self.logical_len = 0
         self.is_initialized = False
@@ -222,8 +222,7 @@ class PagedLayer(CacheLayerMixin):
                         f"expected {(B, H, N)}"
                     )
                 keep = choose_kept(scores, info, cfg) & valid
-        lay = layout_pages(
-            keep,
+        args = (
             info.modality,
             info.positions,
             info.image_rc,
@@ -231,6 +230,12 @@ class PagedLayer(CacheLayerMixin):
             cfg.image_tile,
             cfg.text_page_size,
         )
+        if keep is valid:  # nothing evicted: every layer has the same layout, built once per request
+            lay = owner.extra.get("_full_layout")
+            if lay is None or lay.src.shape[1] != H:
+                lay = owner.extra["_full_layout"] = layout_pages(keep, *args)
+        else:
+            lay = layout_pages(keep, *args)
         src = lay.src.clamp(min=0)
         ok = lay.src >= 0
         idx = src.unsqueeze(-1).expand(*src.shape, D)
@@ -353,19 +358,35 @@ class PagedLayer(CacheLayerMixin):
             self.summaries[name] = t if old is None else torch.cat([old, t], dim=2)
 
     def _record_prefill_stats(self, valid: torch.Tensor, info: RequestInfo) -> None:
+        """Counts as tensors (no device sync here); `stats` turns them into numbers when read."""
+        mod = self._p_mod
+        self._stats_t = {
+            "image_full": (info.modality == IMAGE).sum(),
+            "text_full": (info.modality == TEXT).sum(),
+            "image_kept": (mod == IMAGE).sum(),
+            "text_kept": (mod == TEXT).sum(),
+            "pages": (self.page_len > 0).sum(),
+        }
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Tokens and bytes kept for the prompt, by modality: tokens summed over the batch and averaged over
+        KV heads, bytes exact (keys + values of every head)."""
+        t = getattr(self, "_stats_t", None)
+        if t is None:
+            return {}
         B, H, L, D = self.keys.shape
         per_token = 2 * D * self.keys.element_size()  # keys + values, one KV head
         out: dict[str, Any] = {"layer": self.layer_idx}
-        for name, m in (("image", IMAGE), ("text", TEXT)):
-            full = int((info.modality == m).sum()) * H
-            kept = int((self.slot_valid & (self.slot_mod == m)).sum())
+        for name in ("image", "text"):
+            full, kept = int(t[f"{name}_full"]) * H, int(t[f"{name}_kept"])
             out[f"{name}_tokens_full"] = full / H
-            out[f"{name}_tokens_kept"] = kept / H  # summed over the batch, averaged over KV heads
+            out[f"{name}_tokens_kept"] = kept / H
             out[f"{name}_bytes_full"] = full * per_token
             out[f"{name}_bytes_kept"] = kept * per_token
-        out["bytes_allocated"] = B * H * L * per_token
-        out["pages"] = int((self.page_len > 0).sum()) / H
-        self.stats = out
+        out["bytes_allocated"] = B * H * self.prompt_slots * per_token
+        out["pages"] = int(t["pages"]) / H
+        return out
 
     # ---- decode ------------------------------------------------------------------------------------
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
