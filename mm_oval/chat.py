@@ -1,0 +1,495 @@
+"""Chat about an image with a (wrapped) LLaVA-style model: the `mm-oval chat` command and the `Chat` helper.
+
+    from mm_oval.chat import Chat
+    chat = Chat(model, processor, "scene.png", method="snapkv", budget=0.25)
+    chat.ask("what color is the circle ?")        # the image is prefilled and compressed here, once
+    chat.ask("how many objects are there ?")      # later turns feed only their new tokens to the same cache
+    chat.stats()                                  # mm_oval.stats figures of the conversation's cache
+    chat.kept_image_tokens()                      # (layers, KV heads, rows, cols) bool: what eviction kept
+
+The conversation is kept as token ids: each answer enters the next turn exactly as it was generated,
+the first turn's prompt is the evaluation harness's (`mm_oval.eval.runner.chat_prompt`), and the later
+turns are the chat template's text between one answer and the next question, as the harness's
+multi-turn mode builds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from .config import OvalConfig
+from .errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+# stands for an answer while the chat template renders the conversation; the text after it is what the
+# next turn feeds (end of the assistant turn, the next question, the assistant tag)
+_ANSWER_MARKER = "\u2063MMOVAL-ANSWER\u2063"
+
+
+@dataclass
+class Turn:
+    """One question and its answer."""
+
+    question: str
+    answer: str
+    new_tokens: int  # tokens generated for the answer (end of sequence included)
+    prompt_tokens: int  # tokens fed to the model for this turn (the whole first prompt, then the new ones)
+
+
+def load_image(image: Any) -> Any:
+    """A PIL image from a path or a PIL image (converted to RGB)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, (str, Path)):
+        path = Path(image)
+        if not path.is_file():
+            raise DataError(f"image file {path} does not exist; pass the path of a PNG or JPEG image")
+        try:
+            with Image.open(path) as im:
+                return im.convert("RGB")
+        except (UnidentifiedImageError, OSError) as e:
+            raise DataError(f"image file {path} cannot be read as an image ({e})") from e
+    raise ConfigError(f"an image is a file path or a PIL image, got {type(image).__name__}")
+
+
+class _ReadRecorder:
+    """Stands between the cache and a retrieval policy; records, at each decode step and layer, which of
+    the prompt's image patches each KV head read (the selected pages plus the pages always read)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.cache: Any = None
+        self.grid: tuple[int, int, int] = (1, 1, 1)  # (images, rows, cols), set by the Chat
+        self.counts: dict[int, torch.Tensor] = {}  # layer -> (Hkv, images, rows, cols) steps read
+        self.steps: dict[int, int] = {}  # layer -> decode steps seen
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the policy's own
+        return getattr(self.inner, name)
+
+    def summarize(self, pages: Any) -> dict[str, torch.Tensor]:
+        return self.inner.summarize(pages)
+
+    def score_pages(self, ctx: Any) -> torch.Tensor:
+        return self.inner.score_pages(ctx)
+
+    def select(self, ctx: Any, read_budget: float) -> torch.Tensor:
+        chosen = self.inner.select(ctx, read_budget)
+        self._record(ctx, chosen)
+        return chosen
+
+    @torch.no_grad()
+    def _record(self, ctx: Any, chosen: torch.Tensor) -> None:
+        layer = self.cache.layers[ctx.layer_idx]
+        n_images, side_r, side_c = self.grid
+        P_s = ctx.candidates.shape[-1]
+        read = (chosen & ctx.candidates) | (~ctx.candidates & (ctx.page_len > 0))  # (B, Hkv, P_s)
+        L0 = layer.prompt_slots
+        page = layer.slot_page[0, :, :L0]  # (Hkv, L0): the page of each prompt slot
+        in_range = (page >= 0) & (page < P_s)
+        slot_read = read[0].gather(-1, page.clamp(0, P_s - 1)) & in_range & layer.slot_valid[0, :, :L0]
+        rc = layer.slot_rc[0, :, :L0]  # (Hkv, L0, 3)
+        is_img = rc[..., 0] >= 0
+        H = page.shape[0]
+        counts = self.counts.get(ctx.layer_idx)
+        if counts is None:
+            counts = torch.zeros(H, n_images, side_r, side_c, dtype=torch.long, device=read.device)
+            self.counts[ctx.layer_idx] = counts
+        h = torch.arange(H, device=read.device).view(H, 1).expand_as(is_img)
+        sel = is_img & slot_read
+        counts.index_put_(
+            (h[sel], rc[..., 0][sel], rc[..., 1][sel], rc[..., 2][sel]),
+            torch.ones(int(sel.sum()), dtype=torch.long, device=read.device),
+            accumulate=True,
+        )
+        self.steps[ctx.layer_idx] = self.steps.get(ctx.layer_idx, 0) + 1
+
+
+class Chat:
+    """A conversation about one or more images with a LLaVA-style model, through mm-oval's cache.
+
+    `method`/`budget` are those of `mm_oval.wrap` (a method spec such as `"snapkv"`, `"kvp"`, or
+    `"full:retrieval=oval,read_budget=0.25"`; `config` an `OvalConfig` instead). The first `ask` prefills
+    the images and the question and compresses the cache once; later questions reuse it. The model is
+    wrapped for the duration of each `ask` and unwrapped afterwards unless it was wrapped already, so
+    several `Chat`s (e.g. full cache and compressed) can share one model. `record_reads=True` records
+    which image patches decode-time retrieval read (`page_reads`)."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        image: Any = None,
+        *,
+        images: list[Any] | None = None,
+        method: str = "full",
+        budget: float | int | None = None,
+        config: OvalConfig | None = None,
+        max_new_tokens: int = 32,
+        record_reads: bool = False,
+    ):
+        from .policies.base import make_eviction, make_retrieval
+        from .wrapper import _language_model, _tokens_per_image
+
+        _language_model(model)  # a clear error for a model that is not LLaVA-style
+        if image is not None and images is not None:
+            raise ConfigError("pass either image= or images=, not both")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raw = images if images is not None else ([] if image is None else [image])
+        self.images = [load_image(im) for im in raw]
+        self.model = model
+        self.processor = processor
+        self.config = config if config is not None else OvalConfig.from_spec(method, budget)
+        self.max_new_tokens = max_new_tokens
+        self.record_reads = record_reads
+        self.tokens_per_image = _tokens_per_image(model)
+        state = getattr(model, "_mm_oval", None)
+        if state is not None and state.config == self.config:
+            self._eviction, self._retrieval = state.eviction, state.retrieval
+        else:
+            cfg = self.config
+            self._eviction = make_eviction(cfg.method, **cfg.method_options) if cfg.method != "full" else None
+            self._retrieval = (
+                make_retrieval(cfg.retrieval, **cfg.retrieval_options) if cfg.retrieval else None
+            )
+        self.reset()
+
+    # ---- the conversation ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the conversation (the next `ask` prefills the images again)."""
+        self.turns: list[Turn] = []
+        self._cache: Any = None
+        self._recorder: _ReadRecorder | None = None
+        self._seq: torch.Tensor | None = None
+
+    @property
+    def history(self) -> list[tuple[str, str]]:
+        return [(t.question, t.answer) for t in self.turns]
+
+    def prompt_text(self, question: str) -> str:
+        """The text the chat template makes of the conversation so far plus `question` (what the model
+        has read once the question is fed)."""
+        return self._render(question, self.history)
+
+    def ask(self, question: str) -> str:
+        """Answer `question` (greedy decoding) and return the answer's text."""
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError("the question is empty; ask something about the image")
+        question = question.strip()
+        tok = self.processor.tokenizer
+        if self._cache is None:
+            inputs = self._first_inputs(question)
+            self._cache = self._new_cache()
+        else:
+            inputs = self._next_inputs(question)
+        n_in = int(inputs["input_ids"].shape[1])
+        before = int(self._cache.get_seq_length())  # tokens already in the cache
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        with self._wrapped(), torch.inference_mode():
+            seq = self.model.generate(
+                **inputs,
+                cache=self._cache,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad,
+            )
+        self._seq = seq
+        new = seq[:, n_in:]
+        answer = tok.decode(new[0], skip_special_tokens=True).strip()
+        fed = n_in - before
+        self.turns.append(Turn(question, answer, int(new.shape[1]), fed))
+        return answer
+
+    # ---- what the cache holds ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """`mm_oval.stats` figures of this conversation's cache (what prefill kept, per layer and in total;
+        prefill and decode time over all turns) plus `turns`, `cache_tokens` (the conversation's length)
+        and `cache_slots` (the tokens the cache holds now, per KV head, averaged over layers and heads)."""
+        from .stats import cache_stats
+
+        cache = self._require_cache()
+        out = cache_stats(cache)
+        layers = [layer for layer in cache.layers if layer.phase == "decode"]
+        out["turns"] = len(self.turns)
+        out["cache_tokens"] = int(cache.get_seq_length())
+        out["cache_slots"] = (
+            sum(float(layer.slot_valid[0].sum()) / layer.slot_valid.shape[1] for layer in layers)
+            / len(layers)
+            if layers
+            else 0.0
+        )
+        return out
+
+    def kept_image_tokens(self, image: int = 0) -> torch.Tensor:
+        """(layers, KV heads, rows, cols) bool: the patches of image `image` whose keys and values each KV
+        head of each layer kept after prefill."""
+        cache = self._require_cache()
+        n_images, rows, cols = self.grid
+        if not 0 <= image < n_images:
+            raise ConfigError(f"image {image} is out of range: this conversation has {n_images} image(s)")
+        out = []
+        for layer in cache.layers:
+            L0 = layer.prompt_slots
+            rc = layer.slot_rc[0, :, :L0]  # (Hkv, L0, 3)
+            ok = layer.slot_valid[0, :, :L0] & (rc[..., 0] == image)
+            H = rc.shape[0]
+            grid = torch.zeros(H, rows, cols, dtype=torch.bool, device=rc.device)
+            h = torch.arange(H, device=rc.device).view(H, 1).expand_as(ok)
+            grid[h[ok], rc[..., 1][ok], rc[..., 2][ok]] = True
+            out.append(grid)
+        return torch.stack(out).cpu()
+
+    def page_reads(self, image: int = 0) -> torch.Tensor:
+        """(layers, KV heads, rows, cols) float: for each kept patch of image `image`, the fraction of decode
+        steps so far at which that head read its page (1.0 for pages always read; 0 for evicted patches).
+        Needs `record_reads=True` and a retrieval method."""
+        self._require_cache()
+        if self._recorder is None:
+            raise ConfigError(
+                "page reads were not recorded: create the Chat with record_reads=True and a retrieval "
+                "method (e.g. method='full:retrieval=oval,read_budget=0.25')"
+            )
+        n_images, rows, cols = self.grid
+        if not 0 <= image < n_images:
+            raise ConfigError(f"image {image} is out of range: this conversation has {n_images} image(s)")
+        cache = self._cache
+        out = []
+        for i, layer in enumerate(cache.layers):
+            counts = self._recorder.counts.get(i)
+            steps = self._recorder.steps.get(i, 0)
+            if counts is None or steps == 0:
+                out.append(torch.zeros(layer.keys.shape[1], rows, cols))
+            else:
+                out.append(counts[:, image].float().cpu() / steps)
+        return torch.stack(out)
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode steps whose page reads were recorded (per layer)."""
+        if self._recorder is None or not self._recorder.steps:
+            return 0
+        return max(self._recorder.steps.values())
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """(images, rows, cols) of the patch grid."""
+        side = max(int(round(math.sqrt(self.tokens_per_image))), 1)
+        if side * side != self.tokens_per_image:
+            return len(self.images), 1, self.tokens_per_image
+        return len(self.images), side, side
+
+    # ---- inside ----------------------------------------------------------------------------------------
+    def _require_cache(self) -> Any:
+        if self._cache is None:
+            raise ConfigError("nothing is cached yet: ask a question first")
+        return self._cache
+
+    def _new_cache(self) -> Any:
+        from .cache import PagedMultimodalCache
+
+        retrieval = self._retrieval
+        if retrieval is not None and self.record_reads:
+            retrieval = self._recorder = _ReadRecorder(retrieval)
+            self._recorder.grid = self.grid
+        cache = PagedMultimodalCache(self.model.config.text_config, self.config, self._eviction, retrieval)
+        if self._recorder is not None:
+            self._recorder.cache = cache
+        return cache
+
+    def _wrapped(self) -> Any:
+        import contextlib
+
+        from .wrapper import unwrap, wrap
+
+        @contextlib.contextmanager
+        def scope():
+            if getattr(self.model, "_mm_oval", None) is not None:
+                yield  # already wrapped: its attention and hooks serve this conversation's own cache
+                return
+            wrap(self.model, OvalConfig())
+            try:
+                yield
+            finally:
+                unwrap(self.model)
+
+        return scope()
+
+    def _render(self, question: str, history: list[tuple[str, str]]) -> str:
+        n = len(self.images)
+        if n == 1:
+            from .eval.runner import chat_prompt
+
+            return chat_prompt(self.processor, question, history)
+        # no image, or several: the same messages with that many image entries in the first user turn
+        messages: list[dict] = []
+        turns = [*history, (question, None)]
+        for i, (q, a) in enumerate(turns):
+            content: list[dict] = [{"type": "text", "text": q}]
+            if i == 0:
+                content = [{"type": "image"}] * n + content
+            messages.append({"role": "user", "content": content})
+            if a is not None:
+                messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+        if not getattr(self.processor, "chat_template", None):
+            raise ConfigError("chatting with several images (or none) needs a processor with a chat template")
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _to_model(self, inputs: Any) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in inputs.items():
+            if isinstance(v, torch.Tensor):
+                v = v.to(self.model.device)
+                if v.is_floating_point():
+                    v = v.to(self.model.dtype)
+                out[k] = v
+        return out
+
+    def _first_inputs(self, question: str) -> dict[str, torch.Tensor]:
+        text = self._render(question, [])
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if self.images:
+            kwargs["images"] = self.images
+        return self._to_model(self.processor(**kwargs))
+
+    def _next_inputs(self, question: str) -> dict[str, torch.Tensor]:
+        tok = self.processor.tokenizer
+        hist = self.history
+        rendered = self._render(question, hist[:-1] + [(hist[-1][0], _ANSWER_MARKER)])
+        if _ANSWER_MARKER not in rendered:
+            raise ConfigError("the chat template drops assistant turns; cannot continue the conversation")
+        tail = rendered.split(_ANSWER_MARKER, 1)[1]
+        tail_ids = tok(tail, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self._seq.device)
+        prev = self._seq
+        if prev[0, -1].item() == tok.eos_token_id:
+            prev = prev[:, :-1]  # the template closes the turn itself
+        ids = torch.cat([prev, tail_ids], dim=1)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="bundled",
+        help="bundled (the tiny LLaVA shipped with mm-oval), a local path or a Hub id",
+    )
+    parser.add_argument(
+        "--image", action="append", default=[], metavar="PATH", help="an image to chat about (repeatable)"
+    )
+    parser.add_argument(
+        "--method",
+        default="full",
+        help="KV-cache method spec, as for mm_oval.wrap: full, snapkv, kvp, 'full:retrieval=oval,read_budget=0.25', ...",
+    )
+    parser.add_argument(
+        "--budget", default=None, help="image-KV budget: a fraction like 0.25 or a token count like 16"
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="ask TEXT and exit instead of reading questions from stdin (repeat for several turns)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--stats", action="store_true", help="after each answer, print what the cache kept")
+    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: the GPU when there is one)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16"
+    )
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """A few lines saying what the cache kept (for `mm-oval chat --stats`)."""
+
+    def kib(n: float) -> str:
+        return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.1f} MiB"
+
+    method = stats["method"] + (f" + {stats['retrieval']} retrieval" if stats.get("retrieval") else "")
+    frac = stats.get("kv_fraction_kept")
+    img = stats.get("image_kv_fraction_kept")
+    lines = [
+        f"[stats] method {method}, budget {stats['budget']}: prompt KV kept {kib(stats['kv_bytes_kept'])} "
+        f"of {kib(stats['kv_bytes_full'])}"
+        + (f" ({frac:.1%})" if frac is not None else "")
+        + (f"; image KV kept {img:.1%}" if img is not None else "")
+    ]
+    if stats.get("page_read_fraction") is not None:
+        lines.append(
+            f"[stats] retrieval read {stats['page_read_fraction']:.1%} of the candidate pages per step"
+        )
+    lines.append(
+        f"[stats] conversation {stats.get('cache_tokens', '?')} tokens, cache holds {stats.get('cache_slots', 0):.0f} "
+        f"per KV head; prefill {stats['prefill_s'] * 1000:.0f} ms, decode {stats['decode_s'] * 1000:.0f} ms "
+        f"over {stats['decode_steps']} steps"
+    )
+    for row in stats["layers"]:
+        lines.append(
+            f"[stats] layer {row['layer']}: image tokens kept {row['image_tokens_kept']:g}/{row['image_tokens_full']:g}, "
+            f"text {row['text_tokens_kept']:g}/{row['text_tokens_full']:g}, pages {row['pages']:g}"
+        )
+    return "\n".join(lines)
+
+
+HELP = "commands: /stats (what the cache kept), /reset (new conversation), /quit"
+
+
+def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    from .eval.runner import load_model, parse_budget
+
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    budget = parse_budget(args.budget)
+    config = OvalConfig.from_spec(args.method, budget)  # bad specs fail before the model loads
+    images = [load_image(p) for p in args.image]
+    model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
+    chat = Chat(model, processor, images=images, config=config, max_new_tokens=args.max_new_tokens)
+
+    def answer(question: str) -> None:
+        print(chat.ask(question), file=stdout, flush=True)
+        if args.stats:
+            print(format_stats(chat.stats()), file=stdout, flush=True)
+
+    if args.prompt:
+        for question in args.prompt:
+            answer(question)
+        return 0
+    interactive = stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model} ({config.method}); {HELP}", file=stdout)
+    while True:
+        if interactive:
+            print("> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line:
+            break
+        question = line.strip()
+        if not question:
+            continue
+        if question in ("/quit", "/exit"):
+            break
+        if question == "/reset":
+            chat.reset()
+            continue
+        if question == "/stats":
+            print(format_stats(chat.stats()) if chat.turns else "[stats] nothing asked yet", file=stdout)
+            continue
+        if question.startswith("/"):
+            print(f"unknown command {question}; {HELP}", file=stdout)
+            continue
+        answer(question)
+    return 0

@@ -1,0 +1,224 @@
+"""`mm_oval.chat`: the Chat helper and `mm-oval chat` on a tiny random LLaVA. A conversation must say
+exactly what the evaluation harness's multi-turn mode says, prefill the image once, keep the budget's
+image tokens across turns, and report what the cache kept and which pages retrieval read."""
+
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from mm_oval.chat import Chat, run
+from mm_oval.cli import main
+from mm_oval.errors import ConfigError, DataError, ModelError
+
+QUESTIONS = ["what color is the circle ?", "how many blue objects are there ?", "is there a red square ?"]
+
+
+def _scene(color: str = "red", size: int = 128) -> Image.Image:
+    im = Image.new("RGB", (size, size), "black")
+    im.paste(Image.new("RGB", (size // 4, size // 4), color), (size // 8, size // 2))
+    return im
+
+
+@pytest.fixture(scope="module")
+def image_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("img") / "scene.png"
+    _scene().save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_random_llava, tmp_path_factory) -> Path:
+    model, processor = tiny_random_llava
+    path = tmp_path_factory.mktemp("tiny_llava")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def _harness(model, processor, image, spec, budget, questions, max_new):
+    from mm_oval.eval.runner import apply_method, generate_conversation, remove_method
+    from mm_oval.eval.tasks import Item
+
+    items = [Item(id=str(i), prompt=q, image=lambda: image, group="g") for i, q in enumerate(questions)]
+    wrapped = apply_method(model, spec, budget)
+    try:
+        return [text for text, _ in generate_conversation(model, processor, items, max_new)]
+    finally:
+        if wrapped:
+            remove_method(model)
+
+
+def test_conversation_says_what_the_harness_says(tiny_random_llava):
+    """Two chats (full cache, SnapKV at 25%) interleaved on one model answer each turn exactly as the
+    harness's multi-turn conversation does; the model is left unwrapped."""
+    model, processor = tiny_random_llava
+    image = _scene("blue")
+    full = Chat(model, processor, image, max_new_tokens=5)
+    snap = Chat(model, processor, image, method="snapkv", budget=0.25, max_new_tokens=5)
+    got_full, got_snap = [], []
+    for q in QUESTIONS:
+        got_full.append(full.ask(q))
+        got_snap.append(snap.ask(q))
+    assert not hasattr(model, "_mm_oval")
+    assert got_full == _harness(model, processor, image, "full", None, QUESTIONS, 5)
+    assert got_snap == _harness(model, processor, image, "snapkv", 0.25, QUESTIONS, 5)
+    assert full.history == list(zip(QUESTIONS, got_full))
+    assert all(isinstance(a, str) for a in got_full)
+
+
+def test_image_is_prefilled_and_compressed_once(tiny_random_llava):
+    model, processor = tiny_random_llava
+    calls = []
+    hook = model.model.vision_tower.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        chat = Chat(model, processor, _scene(), method="snapkv", budget=0.25, max_new_tokens=4)
+        for q in QUESTIONS:
+            chat.ask(q)
+    finally:
+        hook.remove()
+    assert len(calls) == 1  # the image went through the vision tower once, for the first turn
+    first, *later = chat.turns
+    assert first.prompt_tokens > 64  # the 64 image tokens and the question
+    assert all(t.prompt_tokens < 20 for t in later)  # only the new text of each later turn
+    kept = chat.kept_image_tokens()
+    n_layers = model.config.text_config.num_hidden_layers
+    assert kept.shape == (n_layers, 2, 8, 8) and kept.dtype == torch.bool
+    assert (kept.sum((-1, -2)) == math.ceil(0.25 * 64)).all()  # still the budget after three turns
+    s = chat.stats()
+    assert s["turns"] == 3 and s["image_kv_fraction_kept"] == pytest.approx(0.25)
+    text_kept = sum(r["text_tokens_kept"] for r in s["layers"])
+    per_token = 2 * model.config.text_config.head_dim * 4 * 2  # keys + values, fp32, 2 KV heads
+    assert s["kv_bytes_kept"] == (text_kept + 16 * n_layers) * per_token
+    # the conversation so far is the prompt plus every answer and turn; the cache holds 16 image tokens of 64
+    assert s["cache_tokens"] > sum(t.prompt_tokens for t in chat.turns)
+    assert s["cache_slots"] == pytest.approx(s["cache_tokens"] - 48)
+    chat.reset()
+    with pytest.raises(ConfigError, match="ask a question first"):
+        chat.stats()
+
+
+def test_full_cache_keeps_every_patch_of_every_image(tiny_random_llava):
+    model, processor = tiny_random_llava
+    chat = Chat(model, processor, images=[_scene("red"), _scene("green")], max_new_tokens=3)
+    chat.ask("what color is the square ?")
+    assert chat.turns[0].prompt_tokens > 128
+    assert chat.kept_image_tokens(0).all() and chat.kept_image_tokens(1).all()
+    with pytest.raises(ConfigError, match="out of range"):
+        chat.kept_image_tokens(2)
+    assert chat.stats()["image_kv_fraction_kept"] == pytest.approx(1.0)
+
+
+def test_page_reads_match_the_pages_retrieval_read(tiny_random_llava):
+    model, processor = tiny_random_llava
+    chat = Chat(
+        model,
+        processor,
+        _scene(),
+        method="full:retrieval=quest,read_budget=0.25",
+        max_new_tokens=6,
+        record_reads=True,
+    )
+    chat.ask(QUESTIONS[0])
+    chat.ask(QUESTIONS[1])
+    reads = chat.page_reads()
+    steps = chat.decode_steps
+    assert steps > 0 and reads.shape == (model.config.text_config.num_hidden_layers, 2, 8, 8)
+    assert ((reads >= 0) & (reads <= 1)).all()
+    counts = (reads * steps).round()
+    assert torch.allclose(reads * steps, counts, atol=1e-4)
+    cache = chat._cache
+    pages_read = 0.0
+    for i, layer in enumerate(cache.layers):
+        L0 = layer.prompt_slots
+        rc = layer.slot_rc[0, :, :L0]
+        page = layer.slot_page[0, :, :L0]
+        pinned = layer.page_pinned[0].gather(-1, page.clamp(min=0))
+        for h in range(rc.shape[0]):
+            img = rc[h, :, 0] >= 0
+            r, c = rc[h, img, 1], rc[h, img, 2]
+            # pages holding a sink token are read at every step
+            assert (reads[i, h][r[pinned[h, img]], c[pinned[h, img]]] == 1).all()
+            free = ~pinned[h, img]
+            pages_read += float(counts[i, h][r[free], c[free]].sum()) / 4  # 2x2 tiles, all kept
+    assert pages_read == float(cache.counters["pages_read"])
+    frac = chat.stats()["page_read_fraction"]
+    assert 0.25 <= frac < 0.5  # ceil(25%) of the candidate pages per head and step
+
+    plain = Chat(model, processor, _scene(), method="full:retrieval=quest,read_budget=0.25", max_new_tokens=2)
+    plain.ask(QUESTIONS[0])
+    with pytest.raises(ConfigError, match="record_reads=True"):
+        plain.page_reads()
+
+
+def test_user_errors_are_clear(tiny_random_llava, tmp_path):
+    model, processor = tiny_random_llava
+    with pytest.raises(DataError, match="nope.png"):
+        Chat(model, processor, tmp_path / "nope.png")
+    bad = tmp_path / "bad.png"
+    bad.write_text("not an image")
+    with pytest.raises(DataError, match="bad.png"):
+        Chat(model, processor, bad)
+    with pytest.raises(ConfigError, match="unknown|not one of|method"):
+        Chat(model, processor, _scene(), method="no-such-method", budget=0.25)
+    with pytest.raises(ConfigError, match="budget"):
+        Chat(model, processor, _scene(), method="snapkv", budget=1.5)
+    with pytest.raises(ModelError, match="LLaVA"):
+        Chat(torch.nn.Linear(2, 2), processor, _scene())
+    chat = Chat(model, processor, _scene())
+    with pytest.raises(ConfigError, match="empty"):
+        chat.ask("   ")
+
+
+# ---------------------------------------------------------------------------------------- the command
+
+
+def test_command_one_shot_prompts_with_stats(tiny_random_llava, model_dir, image_path, capsys):
+    model, processor = tiny_random_llava
+    argv = ["chat", "--model", str(model_dir), "--image", str(image_path), "--method", "snapkv"]
+    argv += ["--budget", "0.25", "--max-new-tokens", "4", "--stats"]
+    rc = main([*argv, "--prompt", QUESTIONS[0], "--prompt", QUESTIONS[1]])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    answers = [line for line in out if not line.startswith("[stats]")]
+    chat = Chat(model, processor, image_path, method="snapkv", budget=0.25, max_new_tokens=4)
+    assert answers == [chat.ask(QUESTIONS[0]), chat.ask(QUESTIONS[1])]
+    stats = [line for line in out if line.startswith("[stats]")]
+    assert any("image KV kept 25.0%" in line for line in stats)
+    assert any("layer 0: image tokens kept 16/64" in line for line in stats)
+
+
+def test_command_reads_questions_from_stdin(tiny_random_llava, model_dir, image_path):
+    import argparse
+
+    from mm_oval.chat import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(model_dir), "--image", str(image_path), "--max-new-tokens", "3"])
+    stdin = io.StringIO(
+        f"{QUESTIONS[0]}\n\n/stats\n{QUESTIONS[1]}\n/reset\n{QUESTIONS[0]}\n/bogus\n/quit\nnever\n"
+    )
+    stdout = io.StringIO()
+    assert run(args, stdin=stdin, stdout=stdout) == 0
+    lines = stdout.getvalue().splitlines()
+    answers = [x for x in lines if not x.startswith("[stats]") and not x.startswith("unknown command")]
+    model, processor = tiny_random_llava
+    chat = Chat(model, processor, image_path, max_new_tokens=3)
+    expected = [chat.ask(QUESTIONS[0]), chat.ask(QUESTIONS[1])]
+    # /reset starts over: the third answer is the first turn's again; /quit stops before "never"
+    assert answers == [*expected, expected[0]]
+    assert any(x.startswith("[stats] method full") for x in lines)
+    assert any(x.startswith("unknown command /bogus") for x in lines)
+
+
+def test_command_errors_name_what_to_fix(model_dir, tmp_path, capsys):
+    rc = main(["chat", "--model", str(model_dir), "--image", str(tmp_path / "missing.png"), "--prompt", "hi"])
+    assert rc == 2 and "missing.png" in capsys.readouterr().err
+    rc = main(["chat", "--model", str(model_dir), "--method", "snapkv", "--budget", "lots", "--prompt", "hi"])
+    assert rc == 2 and "budget" in capsys.readouterr().err
+    rc = main(["chat", "--model", str(tmp_path), "--prompt", "hi"])
+    assert rc == 2 and str(tmp_path) in capsys.readouterr().err
