@@ -318,7 +318,9 @@ def main() -> int:
     model, processor, where = load(args.model)
     has_router = True
     try:
-        make_retrieval("router", **({"weights": args.router} if args.router else {}))
+        from mm_oval.policies.router import bundled_router_path, load_router
+
+        load_router(args.router or bundled_router_path(), model)  # refuses a router trained for another model
     except mm_oval.MmOvalError as e:
         print(f"router skipped: {e}")
         has_router = False
