@@ -55,8 +55,12 @@ class TrainConfig:
     vision_steps: int = 300
     vision_batch: int = 32
     vision_lr: float = 2e-3
+    projector_steps: int = 300  # fit the projector so image tokens live in the word-embedding space
     attn_weight: float = 1.0  # weight of the attention teacher's loss
     attn_until: float = 1.0  # fraction of steps after which the teacher is off
+    exit_weight: float = (
+        0.0  # deep supervision: the answer read out (final norm + LM head) after layers 2..L-1
+    )
     mmbench_fraction: float = 0.3
     eval_every: int = 250
     eval_items: int = 40  # held-out images (x questions_per_image questions)
@@ -335,7 +339,77 @@ class Trainer:
             if step % 50 == 0 or step == cfg.vision_steps - 1:
                 log.info("vision %d/%d loss %.3f acc colour/shape/row/col %s", step, cfg.vision_steps, loss.item(),
                          " ".join(f"{a:.3f}" for a in accs))  # fmt: skip
-        return {"vision_loss": float(loss), "vision_acc": accs} if cfg.vision_steps else {}
+        return {"vision_loss": float(loss.detach()), "vision_acc": accs} if cfg.vision_steps else {}
+
+    # -- projector stage ---------------------------------------------------------------------------
+    def projector_targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """Where each image token should land: the sum of the LM's word embeddings of its colour and shape
+        (or a fixed 'empty' vector), at the word-embedding scale. A question word and the patch that holds
+        it then share a direction, which is what retrieval matches (positions come from RoPE)."""
+        emb = self.model.model.language_model.embed_tokens.weight.detach()
+        tok = self.processor.tokenizer
+        g = torch.Generator().manual_seed(self.cfg.seed + 1)
+        std = float(emb.std())
+        empty = torch.randn(1, emb.shape[1], generator=g) * std
+        colour_vecs = torch.cat([empty, emb[tok.convert_tokens_to_ids(COLORS)]])
+        shape_vecs = torch.cat([torch.zeros(1, emb.shape[1]), emb[tok.convert_tokens_to_ids(SHAPES)]])
+        return colour_vecs[labels[..., 0]] + shape_vecs[labels[..., 1]]
+
+    def projector_stage(self) -> dict:
+        cfg, model = self.cfg, self.model
+        proj = model.model.multi_modal_projector
+        with torch.no_grad():
+            feats, labels = [], []
+            for i in range(8):
+                items = [self.sampler.item(20_000_000 + i * 1000 + j, 0) for j in range(cfg.vision_batch)]
+                feats.append(patch_features(model, pixel_values([it.image for it in items])))
+                labels.append(torch.stack([patch_labels(it.scene) for it in items]))
+            feats, labels = torch.cat(feats), torch.cat(labels)
+            targets = self.projector_targets(labels)
+            # linear_1 holds least-squares one-hot regressions of the cell's colour, shape, row and column,
+            # shifted and scaled so GELU turns them into a clean one-hot code; linear_2 is the least-squares
+            # map from that code to the targets
+            x = feats.reshape(-1, feats.shape[-1])
+            y = labels.reshape(-1, 4)
+            onehot = torch.cat(
+                [
+                    F.one_hot(y[:, i], n).float()
+                    for i, n in enumerate((len(COLORS) + 1, len(SHAPES) + 1, GRID, GRID))
+                ],
+                1,
+            )
+            xb = torch.cat([x, torch.ones(x.shape[0], 1)], 1)
+            code = torch.linalg.lstsq(xb, onehot).solution  # (D + 1, 30)
+            k = 6.0
+            w1 = proj.linear_1.weight
+            w1.zero_()
+            w1[: code.shape[1]] = k * code[:-1].T
+            proj.linear_1.bias.zero_()
+            proj.linear_1.bias[: code.shape[1]] = k * (code[-1] - 0.5)
+            fit = (xb @ code).split([len(COLORS) + 1, len(SHAPES) + 1, GRID, GRID], 1)
+            accs = [float((f.argmax(1) == y[:, i]).float().mean()) for i, f in enumerate(fit)]
+            log.info(
+                "projector code: least-squares accuracy colour/shape/row/col %s",
+                " ".join(f"{a:.3f}" for a in accs),
+            )
+            h = proj.act(proj.linear_1(x))
+            hb = torch.cat([h, torch.ones(h.shape[0], 1)], 1)
+            sol = torch.linalg.lstsq(hb, targets.reshape(-1, targets.shape[-1])).solution
+            proj.linear_2.weight.copy_(sol[:-1].T)
+            proj.linear_2.bias.copy_(sol[-1])
+        opt = torch.optim.Adam(proj.parameters(), lr=1e-3)
+        scale = float(targets.pow(2).mean())
+        loss = F.mse_loss(proj(feats), targets).detach() / scale
+        log.info("projector least-squares fit: relative mse %.4f", loss.item())
+        for step in range(cfg.projector_steps):
+            idx = torch.randint(0, feats.shape[0], (32,))
+            loss = F.mse_loss(proj(feats[idx]), targets[idx]) / scale
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 100 == 0 or step == cfg.projector_steps - 1:
+                log.info("projector %d/%d relative mse %.4f", step, cfg.projector_steps, loss.item())
+        return {"projector_rel_mse": float(loss.detach())} if cfg.projector_steps else {}
 
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -358,15 +432,27 @@ class Trainer:
         self.model.train()
         return {k: round(float(np.mean(v)), 3) for k, v in sorted(hits.items())}
 
-    def _forward(self, batch: Batch, want_attn: bool):
+    def _forward(self, batch: Batch, want_attn: bool, want_hidden: bool = False):
         return self.model(
             input_ids=batch.input_ids,
             pixel_values=batch.pixel_values,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
             output_attentions=want_attn,
+            output_hidden_states=want_hidden,
             use_cache=False,
         )
+
+    def exit_loss(self, hidden_states, batch: Batch) -> torch.Tensor:
+        """Cross-entropy of the answer read out early, after each layer from the second to the last but one."""
+        lm = self.model.model.language_model
+        b, a = batch.answer_rows[:, 0], batch.answer_rows[:, 1]
+        gold = batch.labels[b, a]
+        terms = []
+        for h in hidden_states[2:-1]:
+            logits = self.model.lm_head(lm.norm(h[b, a]))
+            terms.append(F.cross_entropy(logits, gold))
+        return torch.stack(terms).mean() if terms else torch.zeros(())
 
     # -- main --------------------------------------------------------------------------------------
     def run(self) -> Path:
@@ -393,6 +479,7 @@ class Trainer:
             torch.manual_seed(cfg.seed)
             t0 = time.time()
             info = self.vision_stage()
+            info.update(self.projector_stage())
             elapsed = time.time() - t0
             self._log({"stage": "vision", "seconds": round(elapsed, 1), **info})
             self._save_state(opt, step, elapsed)
@@ -409,17 +496,16 @@ class Trainer:
             ]
             batch = make_batch(items, self.enc)
             teach_on = cfg.attn_weight > 0 and step < cfg.attn_until * cfg.steps
-            out = self._forward(batch, want_attn=teach_on)
+            out = self._forward(batch, want_attn=teach_on, want_hidden=cfg.exit_weight > 0)
             logits = out.logits
             lm = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100)
             loss = lm
+            if cfg.exit_weight > 0:
+                loss = loss + cfg.exit_weight * self.exit_loss(out.hidden_states, batch)
             if teach_on:
                 att = teacher_loss(out.attentions, batch.teach)
                 loss = loss + cfg.attn_weight * att
-                run_attn += float(att)
-            # keep the tower's patch features readable (cheap; the probe is not part of the model)
-            vis, _ = self.probe.loss_and_acc(patch_features(model, batch.pixel_values), batch.patch_labels)
-            loss = loss + 0.1 * vis
+                run_attn += float(att.detach())
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

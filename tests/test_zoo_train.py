@@ -1,0 +1,46 @@
+import json
+
+import torch
+from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+from mm_oval.zoo.generate import TrainSampler
+from mm_oval.zoo.model import build_tiny_llava
+from mm_oval.zoo.train import Encoder, TrainConfig, Trainer, make_batch
+
+
+def test_tree_batch_scores_each_question_exactly_as_a_single_turn_prompt():
+    """Training packs many questions after one image; each must see exactly the evaluation prompt."""
+    model, proc = build_tiny_llava(seed=0, attn_implementation="eager")
+    enc = Encoder(proc.tokenizer)
+    items = [TrainSampler(0, mmbench_fraction=0.5).item(i, 3) for i in range(2)]
+    batch = make_batch(items, enc)
+    with torch.no_grad():
+        packed = model(
+            input_ids=batch.input_ids,
+            pixel_values=batch.pixel_values,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        ).logits
+        for j, (b, a) in enumerate(batch.answer_rows.tolist()):
+            q = items[b].questions[j % 3]
+            text = q.mmbench_prompt() if q.options else q.vqa_prompt()
+            msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+            prompt = proc.apply_chat_template(msgs, add_generation_prompt=True)
+            single = model(**proc(images=[items[b].image], text=[prompt], return_tensors="pt")).logits[0, -1]
+            torch.testing.assert_close(packed[b, a], single, atol=1e-4, rtol=1e-4)
+            assert proc.tokenizer.convert_ids_to_tokens(int(batch.labels[b, a])) == q.answer
+
+
+def test_training_smoke_resumes_and_exports_a_plain_llava(tmp_path):
+    cfg = TrainConfig(steps=2, vision_steps=2, vision_batch=2, images_per_batch=2, questions_per_image=4,
+                      eval_every=2, eval_items=2, warmup=1, projector_steps=2)  # fmt: skip
+    Trainer(tmp_path, cfg).run()
+    assert json.loads((tmp_path / "train_log.jsonl").read_text().splitlines()[-1])["step"] == 2
+    cfg.steps = 3  # a longer run in the same directory resumes from the saved state
+    out = Trainer(tmp_path, cfg).run()
+    steps = [json.loads(x).get("step") for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert steps[-1] == 3 and steps.count(1) == 0
+    model = LlavaForConditionalGeneration.from_pretrained(out)
+    assert model.config.text_config.num_key_value_heads < model.config.text_config.num_attention_heads
+    assert AutoProcessor.from_pretrained(out).tokenizer.convert_tokens_to_ids("red") > 0
