@@ -25,7 +25,7 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+	TRITON_INTERPRET=1 $(BIN)/pytest
 
 clean:
 	rm -rf $(VENV) build *.egg-info
