@@ -1,0 +1,57 @@
+"""The committed KVP agents on the bundled tiny LLaVA: they load against it and rank held-out tokens
+better than every attention-free baseline."""
+
+import pytest
+import torch
+
+from mm_oval.policies.kvp import KVPPolicy, bundled_agents_path, load_agents
+from mm_oval.training.kvp import (
+    agent_scorer,
+    heldout_cost,
+    keydiff_scorer,
+    knorm_scorer,
+    random_scorer,
+    recency_scorer,
+)
+from mm_oval.training.traces import capture_traces, iter_traces, load_samples
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mm_oval.errors import ModelError
+    from mm_oval.zoo import bundled_model_path
+
+    try:
+        path = bundled_model_path()
+    except ModelError:
+        pytest.skip("the bundled tiny LLaVA is not in this checkout")
+    if not (bundled_agents_path() / "kvp_config.json").is_file():
+        pytest.fail("the bundled tiny LLaVA ships without its KVP agents (mm_oval/zoo/tiny_llava_kvp)")
+    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
+    return model, AutoProcessor.from_pretrained(path)
+
+
+def test_bundled_agents_load_for_the_bundled_model(bundled):
+    model, _ = bundled
+    KVPPolicy(model=model)  # raises ModelError if the agents were trained for other weights
+
+
+def test_bundled_agents_beat_attention_free_baselines_on_heldout_traces(bundled, tmp_path):
+    model, processor = bundled
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples = load_samples("zoo:heldout:24", seed=123, followups=1)  # scenes no agent trained on
+        capture_traces(model, processor, samples, tmp_path, store_queries=False)
+    finally:
+        torch.set_num_threads(n)
+    held = list(iter_traces(tmp_path))
+    agents = load_agents(bundled_agents_path()).agents
+    c = agents.config
+    kvp = heldout_cost(agent_scorer(agents), held, c.sinks, c.recent)
+    for scorer in (random_scorer(0), recency_scorer, knorm_scorer, keydiff_scorer):
+        base = heldout_cost(scorer, held, c.sinks, c.recent)
+        assert kvp.cost < base.cost
+        assert kvp.evicted_image[0.25] < base.evicted_image[0.25]
