@@ -102,23 +102,25 @@ def random_model_dir(tiny_random_llava, tmp_path_factory) -> Path:
     return path
 
 
-def test_notebooks_run_on_any_llava_path(random_model_dir):
-    """The parameters cell points the notebooks at another model (KVP agents belong to the bundled model, so
-    the random model compares SnapKV with TOVA)."""
+def test_notebooks_run_on_any_llava_path(random_model_dir, tmp_path):
+    """The parameters cell points the notebooks at another model, image and questions (KVP agents belong to
+    the bundled model, so the random model compares SnapKV with TOVA); the chat is one conversation."""
+    from PIL import Image
+
+    image = tmp_path / "scene.png"
+    Image.new("RGB", (160, 128), "navy").save(image)
     run = _executor().execute
     methods = {"full cache": ("full", None), "SnapKV 25%": ("snapkv", 0.25)}
+    common = {"MODEL": repr(str(random_model_dir)), "IMAGE": repr(str(image)), "MAX_NEW_TOKENS": "3"}
+    questions = ["what color is the square ?", "how many objects are there ?"]
     nb = run(
         EXAMPLES / "chat_with_image.ipynb",
-        {
-            "MODEL": repr(str(random_model_dir)),
-            "METHODS": repr(methods),
-            "MAX_NEW_TOKENS": "3",
-            "ONE_CONVERSATION": "True",
-        },
+        {**common, "QUESTIONS": repr(questions), "METHODS": repr(methods), "ONE_CONVERSATION": "True"},
     )
-    check_chat_notebook(nb, methods, n_questions=5)
+    check_chat_notebook(nb, methods, n_questions=2)
+    question = "what color is the object in row 2 column 3 ?"
     nb = run(
         EXAMPLES / "what_the_cache_kept.ipynb",
-        {"MODEL": repr(str(random_model_dir)), "EVICTION": repr(["snapkv", "tova"]), "MAX_NEW_TOKENS": "3"},
+        {**common, "QUESTION": repr(question), "EVICTION": repr(["snapkv", "tova"])},
     )
     check_kept_notebook(nb, ["snapkv", "tova"])
