@@ -3,6 +3,7 @@
     python benchmarks/bench_wrap.py                       # the bundled tiny LLaVA (random one if absent)
     python benchmarks/bench_wrap.py --model DIR --batch 4 --new-tokens 32 --device cuda
     python benchmarks/bench_wrap.py --methods full snapkv:budget=0.25 knorm --out bench_wrap.json
+    python benchmarks/bench_wrap.py --shape mid              # LLaVA-1.5's 576 image tokens, a mid-sized LM
 
 Each configuration is timed with `generate(max_new_tokens=1)` (prefill) and
 `generate(max_new_tokens=1 + T)`; decode time per token = the difference / T. Configurations are
@@ -26,9 +27,19 @@ from PIL import Image
 import mm_oval
 from mm_oval.config import OvalConfig
 
+# a random LLaVA of LLaVA-1.5's prompt length (336 px, patch 14: 576 image tokens) and a mid-sized LM
+MID = dict(image_size=336, patch_size=14, vision_hidden=256, vision_layers=2, vision_heads=4, text_hidden=1024,
+           text_layers=8, text_heads=16, text_kv_heads=8, text_intermediate=2816, max_positions=2048)  # fmt: skip
 
-def load(model_dir: str | None, device: str, dtype: torch.dtype):
+
+def load(model_dir: str | None, device: str, dtype: torch.dtype, shape: str = "tiny"):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    if shape == "mid":
+        from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava
+
+        model, processor = build_tiny_llava(seed=0, sizes=TinyLlavaSizes(**MID))
+        return model.to(device=device, dtype=dtype), processor, "random LLaVA, 576 image tokens, LM 1024x8"
 
     if model_dir is None:
         try:
@@ -72,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model", default=None, help="a LLaVA checkpoint directory (default: the bundled tiny model)"
     )
+    p.add_argument(
+        "--shape",
+        default="tiny",
+        choices=["tiny", "mid"],
+        help="without --model: the tiny model "
+        "(bundled, else random) or a random mid-sized one with LLaVA-1.5's 576 image tokens",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--batch", type=int, default=2)
@@ -88,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    model, processor, name = load(args.model, args.device, dtype)
+    model, processor, name = load(args.model, args.device, dtype, args.shape)
     image_size = model.config.vision_config.image_size
     inputs = make_inputs(processor, args.batch, args.device, image_size)
     configs = {"plain": None, **{m: OvalConfig.from_spec(m) for m in args.methods}}
