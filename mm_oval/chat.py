@@ -457,6 +457,9 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     config = OvalConfig.from_spec(args.method, budget)  # bad specs fail before the model loads
     images = [load_image(p) for p in args.image]
     model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
+    from .wrapper import wrap
+
+    wrap(model, config)  # once for the session; the Chat uses this wrap's policies
     chat = Chat(model, processor, images=images, config=config, max_new_tokens=args.max_new_tokens)
 
     def answer(question: str) -> None:
