@@ -110,6 +110,13 @@ def test_full_cache_keeps_every_patch_of_every_image(tiny_random_llava):
     with pytest.raises(ConfigError, match="out of range"):
         chat.kept_image_tokens(2)
     assert chat.stats()["image_kv_fraction_kept"] == pytest.approx(1.0)
+    # no image: a text-only conversation, nothing of an image to report
+    text_only = Chat(model, processor, method="snapkv", budget=0.25, max_new_tokens=2)
+    text_only.ask("hello")
+    text_only.ask("again")
+    assert text_only.turns[0].prompt_tokens < 20 and text_only.stats()["image_kv_fraction_kept"] is None
+    with pytest.raises(ConfigError, match="0 image"):
+        text_only.kept_image_tokens()
 
 
 def test_page_reads_match_the_pages_retrieval_read(tiny_random_llava):
