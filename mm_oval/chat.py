@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import torch
 
 from .config import OvalConfig
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, MmOvalError
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class _ReadRecorder:
         self.steps: dict[int, int] = {}  # layer -> decode steps seen
 
     def __getattr__(self, name: str) -> Any:  # everything else is the policy's own
+        if name == "inner":  # not set yet (copying): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def summarize(self, pages: Any) -> dict[str, torch.Tensor]:
@@ -183,7 +185,8 @@ class Chat:
         return self._render(question, self.history)
 
     def ask(self, question: str) -> str:
-        """Answer `question` (greedy decoding) and return the answer's text."""
+        """Answer `question` (greedy decoding) and return the answer's text. If generation fails, the
+        conversation is reset (its cache may hold part of the failed turn) and the error propagates."""
         if not isinstance(question, str) or not question.strip():
             raise ConfigError("the question is empty; ask something about the image")
         question = question.strip()
@@ -196,15 +199,20 @@ class Chat:
         n_in = int(inputs["input_ids"].shape[1])
         before = int(self._cache.get_seq_length())  # tokens already in the cache
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        with self._wrapped(), torch.inference_mode():
-            seq = self.model.generate(
-                **inputs,
-                cache=self._cache,
-                max_new_tokens=self.max_new_tokens,
-                do_sample=False,
-                num_beams=1,
-                pad_token_id=pad,
-            )
+        try:
+            with self._wrapped(), torch.inference_mode():
+                seq = self.model.generate(
+                    **inputs,
+                    cache=self._cache,
+                    max_new_tokens=self.max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    pad_token_id=pad,
+                )
+        except BaseException:
+            # the cache may hold part of this turn: the conversation cannot go on from it
+            self.reset()
+            raise
         self._seq = seq
         new = seq[:, n_in:]
         answer = tok.decode(new[0], skip_special_tokens=True).strip()
@@ -494,5 +502,10 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
         if question.startswith("/"):
             print(f"unknown command {question}; {HELP}", file=stdout)
             continue
-        answer(question)
+        try:
+            answer(question)
+        except MmOvalError as e:  # say what went wrong and keep the session (the conversation starts over)
+            print(f"error: {e} (the conversation starts over)", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:
+            print("\ninterrupted (the conversation starts over)", file=sys.stderr, flush=True)
     return 0

@@ -175,9 +175,30 @@ def test_user_errors_are_clear(tiny_random_llava, tmp_path):
         Chat(model, processor, _scene(), method="snapkv", budget=1.5)
     with pytest.raises(ModelError, match="LLaVA"):
         Chat(torch.nn.Linear(2, 2), processor, _scene())
-    chat = Chat(model, processor, _scene())
+    chat = Chat(model, processor, _scene(), max_new_tokens=2)
     with pytest.raises(ConfigError, match="empty"):
         chat.ask("   ")
+
+
+def test_a_failed_turn_starts_the_conversation_over(tiny_random_llava):
+    model, processor = tiny_random_llava
+    chat = Chat(model, processor, _scene(), max_new_tokens=2)
+    first = chat.ask(QUESTIONS[0])
+
+    def boom(*args):
+        raise DataError("generation failed")
+
+    hook = model.model.language_model.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(DataError, match="generation failed"):
+            chat.ask(QUESTIONS[1])
+    finally:
+        hook.remove()
+    assert chat.turns == [] and not hasattr(model, "_mm_oval")
+    with pytest.raises(ConfigError, match="ask a question first"):
+        chat.stats()
+    assert chat.ask(QUESTIONS[0]) == first  # a fresh first turn, image included
+    assert chat.turns[0].prompt_tokens > 64
 
 
 # ---------------------------------------------------------------------------------------- the command
