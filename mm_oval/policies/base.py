@@ -130,8 +130,7 @@ class RetrievalPolicy:
 
     def select(self, ctx: DecodeContext, read_budget: float) -> torch.Tensor:
         """-> (B, Hkv, P) bool, the candidate pages read at this step."""
-        n = ctx.candidates.sum(-1)  # (B, Hkv)
-        k = torch.ceil(n.double() * read_budget - 1e-9).long().clamp(min=0).minimum(n)
+        k = budget_count(float(read_budget), ctx.candidates.sum(-1))  # (B, Hkv)
         return topk_mask(self.score_pages(ctx), ctx.candidates, k)
 
 
@@ -206,4 +205,4 @@ def budget_count(budget: float | int, n: torch.Tensor) -> torch.Tensor:
         raise ConfigError("a budget is a fraction in (0, 1] or a token count, not a bool")
     if isinstance(budget, int):
         return n.clamp(max=budget)
-    return torch.ceil(n.double() * budget - 1e-9).long().clamp(min=0, max=None).minimum(n)
+    return torch.ceil(n.double() * budget - 1e-9).long().clamp(min=0).minimum(n)
