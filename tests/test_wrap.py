@@ -262,3 +262,25 @@ def test_stats_describe_the_last_request(model_and_processor):
     assert row["image_tokens_full"] == 3 * 64 and row["image_tokens_kept"] == 3 * 16
     assert row["text_tokens_kept"] == row["text_tokens_full"]
     assert s["image_kv_fraction_kept"] == pytest.approx(0.25)
+
+
+def test_wraps_the_models_own_attention_implementation_eager_too():
+    from mm_oval.zoo.model import build_tiny_llava
+
+    model, processor = build_tiny_llava(seed=2, attn_implementation="eager")
+    inputs = _batch(processor, 2)
+    plain = _greedy(model, inputs, n=4)
+    mm_oval.wrap(model)
+    assert model.model.language_model.config._attn_implementation == "mm_oval_eager"
+    out = _greedy(model, inputs, n=4)
+    assert out.sequences.tolist() == plain.sequences.tolist()
+    for a, b in zip(out.scores, plain.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    mm_oval.wrap(model, method="snapkv", budget=0.25)
+    assert (
+        model.generate(**inputs, max_new_tokens=2, do_sample=False).shape[1]
+        == inputs["input_ids"].shape[1] + 2
+    )
+    assert get_stats(model)["image_kv_fraction_kept"] == pytest.approx(0.25)
+    mm_oval.unwrap(model)
+    assert model.model.language_model.config._attn_implementation == "eager"
