@@ -397,7 +397,12 @@ class PagedLayer(CacheLayerMixin):
             self._grow(L + q)
         self._k[:, :, L : L + q] = k
         self._v[:, :, L : L + q] = v
-        self._valid[..., L : L + q] = True
+        new_valid = getattr(self.owner, "new_valid", None)  # (B, q) bool when the new tokens hold padding
+        if new_valid is not None and new_valid.shape == (k.shape[0], q):
+            self._valid[..., L : L + q] = new_valid.unsqueeze(1)
+            self.all_valid = False
+        else:
+            self._valid[..., L : L + q] = True
         closed_before = self.n_decode // S
         first_open = self.prompt_pages + closed_before
         self.n_decode += q
@@ -455,7 +460,7 @@ class PagedLayer(CacheLayerMixin):
             return slots.unsqueeze(2)
         mask = slots.unsqueeze(2).expand(B, H, q, L).clone()
         # the q newest slots: causal among themselves
-        mask[..., L - q :] = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
+        mask[..., L - q :] &= torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
         return mask
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -518,6 +523,7 @@ class PagedMultimodalCache(Cache):
         self.retrieval = retrieval
         self.info: RequestInfo | None = None
         self.extra: dict[str, Any] = {}  # per request, shared by the layers' eviction calls
+        self.new_valid: torch.Tensor | None = None  # (B, Q): which of the tokens being fed are not padding
         self.step_extra: dict[str, Any] = {}  # per decode step, for retrieval policies (e.g. last_hidden)
         self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0}  # tensors once counted
         self.kernels: bool | None = None  # decode through mm_oval.kernels; None = on CUDA only

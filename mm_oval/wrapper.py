@@ -148,6 +148,13 @@ def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
         cache._phase_now = "prefill"
     else:
         cache._phase_now = "decode"
+        # padding inside the new tokens (a batch of conversations whose next turns differ in length)
+        am = kwargs.get("attention_mask")
+        new_valid = None
+        if isinstance(am, torch.Tensor) and am.dim() == 2 and isinstance(input_ids, torch.Tensor):
+            tail = am[:, -input_ids.shape[1] :].bool()
+            new_valid = None if bool(tail.all()) else tail
+        cache.new_valid = new_valid
     _sync(input_ids)
     cache._t0 = time.perf_counter()
 

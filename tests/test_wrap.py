@@ -284,3 +284,40 @@ def test_wraps_the_models_own_attention_implementation_eager_too():
     assert get_stats(model)["image_kv_fraction_kept"] == pytest.approx(0.25)
     mm_oval.unwrap(model)
     assert model.model.language_model.config._attn_implementation == "eager"
+
+
+def test_a_batch_of_conversations_with_padded_next_turns_matches_the_plain_model(model_and_processor):
+    """Turn 2 of two conversations, fed on top of the cache with padding inside the new tokens (the
+    shorter question is left-padded): the padding is masked as transformers' own cache masks it."""
+    from transformers import DynamicCache
+
+    model, processor = model_and_processor
+    first = _batch(processor, 2)
+    tok = processor.tokenizer
+    tails = ["what shape is it ? ASSISTANT:", "what color is the big square in the left row ? ASSISTANT:"]
+    tail = tok(tails, add_special_tokens=False, return_tensors="pt", padding=True)
+    assert (tail["attention_mask"] == 0).any()
+
+    def two_turns(cache):
+        kw = dict(max_new_tokens=3, do_sample=False, eos_token_id=None)
+        seq = model.generate(**first, cache=cache, **kw)
+        am = torch.cat([first["attention_mask"], torch.ones(2, 3, dtype=torch.long)], 1)
+        ids = torch.cat([seq, tail["input_ids"]], 1)
+        am = torch.cat([am, tail["attention_mask"]], 1)
+        return model.generate(
+            input_ids=ids,
+            attention_mask=am,
+            cache=cache,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
+
+    plain = two_turns(DynamicCache(config=model.config.get_text_config()))
+    mm_oval.wrap(model)
+    from mm_oval.wrapper import new_cache
+
+    out = two_turns(new_cache(model))
+    assert out.sequences.tolist() == plain.sequences.tolist()
+    for a, b in zip(out.scores, plain.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
