@@ -69,11 +69,17 @@ def check_chat_notebook(nb, methods: dict[str, tuple], n_questions: int) -> None
         assert (kept < full) == (budget is not None)
 
 
-def check_kept_notebook(nb, eviction: list[str]) -> None:
+def _n_layers(model_dir: Path) -> int:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
+
+
+def check_kept_notebook(nb, eviction: list[str], n_layers: int) -> None:
     texts, markdown, pngs = _outputs(nb)
     assert pngs == len(eviction) + 2  # one grid per eviction method, the head votes, the retrieval grid
     iou = _table_rows(markdown[0])
-    assert len(iou) == 1 + 4  # header + 4 layers of the tiny model
+    assert len(iou) == 1 + n_layers  # header + one row per layer
     assert all(0.0 <= float(v) <= 1.0 for row in iou[1:] for v in row[1:])
     line = next(t for t in texts if t.startswith("pages read per decode step"))
     share = int(re.search(r"(\d+)%", line)[1])
@@ -89,8 +95,10 @@ def test_chat_with_image_notebook_on_the_bundled_model():
 
 def test_what_the_cache_kept_notebook_on_the_bundled_model():
     _bundled_or_skip()
+    from mm_oval.zoo import bundled_model_path
+
     nb = _executor().execute(EXAMPLES / "what_the_cache_kept.ipynb")
-    check_kept_notebook(nb, ["snapkv", "kvp"])
+    check_kept_notebook(nb, ["snapkv", "kvp"], _n_layers(bundled_model_path()))
 
 
 @pytest.fixture(scope="module")
@@ -123,4 +131,4 @@ def test_notebooks_run_on_any_llava_path(random_model_dir, tmp_path):
         EXAMPLES / "what_the_cache_kept.ipynb",
         {**common, "QUESTION": repr(question), "EVICTION": repr(["snapkv", "tova"])},
     )
-    check_kept_notebook(nb, ["snapkv", "tova"])
+    check_kept_notebook(nb, ["snapkv", "tova"], _n_layers(random_model_dir))
