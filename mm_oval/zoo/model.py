@@ -51,6 +51,8 @@ class TinyLlavaSizes:
     text_intermediate: int = 384
     max_positions: int = 1024
     vision_feature_layer: int = -1
+    text_head_dim: int | None = None  # None: text_hidden // text_heads
+    rope_theta: float = 10000.0
 
     @property
     def image_tokens(self) -> int:
@@ -117,6 +119,8 @@ def tiny_llava_config(sizes: TinyLlavaSizes | None = None, vocab_size: int | Non
         num_attention_heads=sizes.text_heads,
         num_key_value_heads=sizes.text_kv_heads,
         max_position_embeddings=sizes.max_positions,
+        head_dim=sizes.text_head_dim or sizes.text_hidden // sizes.text_heads,
+        rope_parameters={"rope_type": "default", "rope_theta": sizes.rope_theta},
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,

@@ -66,6 +66,13 @@ class TrainConfig:
     eval_items: int = 40  # held-out images (x questions_per_image questions)
     checkpoint_minutes: float = 3.0
     threads: int = 0  # 0: torch default
+    # the text model's attention: wide heads with a slow RoPE leave many dimensions nearly position-free
+    # over the ~100 tokens between an answer and the image, which content matching (colour, shape) needs
+    head_dim: int = 64
+    rope_theta: float = 1e6
+    # once the keyword heads have formed, set layer 1's content-matching query/key maps by least squares
+    # from the model's own hidden states (see fit_retrieval_heads; mixed results so far, off by default); -1: never
+    retrieval_fit_step: int = -1
 
     def validate(self) -> None:
         if self.steps < 1 or self.images_per_batch < 1 or self.questions_per_image < 1:
@@ -305,7 +312,7 @@ class Trainer:
     def __init__(self, out: str | Path, cfg: TrainConfig, sizes: TinyLlavaSizes | None = None):
         cfg.validate()
         self.out, self.cfg = Path(out), cfg
-        self.sizes = sizes or TinyLlavaSizes()
+        self.sizes = sizes or TinyLlavaSizes(text_head_dim=cfg.head_dim, rope_theta=cfg.rope_theta)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.model, self.processor = build_tiny_llava(
@@ -316,6 +323,7 @@ class Trainer:
         self.sampler = TrainSampler(cfg.seed, mmbench_fraction=cfg.mmbench_fraction)
         self.heldout = TrainSampler(cfg.seed + 10_000, mmbench_fraction=0.5)
         self.ckpt_path = self.out / "train_state.ckpt.pt"
+        self.retrieval_fitted = False
         self.log_path = self.out / "train_log.jsonl"
 
     # -- vision stage ----------------------------------------------------------------------------
@@ -411,6 +419,76 @@ class Trainer:
                 log.info("projector %d/%d relative mse %.4f", step, cfg.projector_steps, loss.item())
         return {"projector_rel_mse": float(loss.detach())} if cfg.projector_steps else {}
 
+    # -- data-driven initialisation of content retrieval ---------------------------------------------
+    @torch.no_grad()
+    def fit_retrieval_heads(self, n_batches: int = 4) -> dict:
+        """Layer 1, query heads 0 and 1 (KV head 0): write a content-matching score into the RoPE pairs that
+        barely rotate over the prompt. From the model's own layer-1 inputs, least squares fits P_q (answer
+        position -> which colour / shape words the question names) and P_k (image token -> its colour and
+        shape); q.k then adds s * (P_q x_answer) . (P_k x_patch): high on the patches holding what the
+        question names. Positional dimensions are left as trained (row/column questions use them)."""
+        model, cfg = self.model, self.cfg
+        lm = model.model.language_model
+        layer = lm.layers[1]
+        attrs = COLORS + SHAPES
+        xq, yq, xk, yk = [], [], [], []
+        for i in range(n_batches):
+            items = [
+                self.sampler.item(30_000_000 + i * 100 + j, cfg.questions_per_image)
+                for j in range(cfg.images_per_batch)
+            ]
+            batch = make_batch(items, self.enc)
+            out = self._forward(batch, want_attn=False, want_hidden=True)
+            h = layer.input_layernorm(out.hidden_states[1])
+            qs = [q for it in items for q in it.questions]
+            for (b, a), q in zip(batch.answer_rows.tolist(), qs):
+                words = {"q": q.text.split(), "hint": q.hint.split()}
+                y = torch.zeros(len(attrs))
+                for seg, k in q.keys:
+                    if words[seg][k] in attrs:
+                        y[attrs.index(words[seg][k])] = 1.0
+                xq.append(h[b, a])
+                yq.append(y)
+            P = len(self.enc.prefix) + GRID * GRID
+            img = h[:, P - GRID * GRID : P].reshape(-1, h.shape[-1])
+            lab = batch.patch_labels.reshape(-1, 4)
+            y = torch.zeros(img.shape[0], len(attrs))
+            has = lab[:, 0] > 0
+            y[has, lab[has, 0] - 1] = 1.0
+            y[has, len(COLORS) + lab[has, 1] - 1] = 1.0
+            xk.append(img)
+            yk.append(y)
+            # every text position is a key too, and must not match (the question's own words are there)
+            text = torch.ones(batch.input_ids.shape, dtype=torch.bool)
+            text[:, P - GRID * GRID : P] = False
+            text &= batch.input_ids != self.enc.tok.pad_token_id
+            xk.append(0.3 * h[text])  # weighted down: many rows, and they only need to stay below the patches
+            yk.append(torch.zeros(int(text.sum()), len(attrs)))
+        is_img = torch.cat([torch.full((len(y),), i % 2 == 0) for i, y in enumerate(yk)])
+        xq, yq, xk, yk = torch.stack(xq), torch.stack(yq), torch.cat(xk), torch.cat(yk)
+        pq = torch.linalg.lstsq(xq, yq).solution.T  # (12, D)
+        pk = torch.linalg.lstsq(xk, yk).solution.T
+        acc_q = float(((xq @ pq.T > 0.5) == (yq > 0.5)).all(1).float().mean())
+        acc_k = float(((xk[is_img] @ pk.T > 0.5) == (yk[is_img] > 0.5)).all(1).float().mean())
+        text_max = float((xk[~is_img] @ pk.T / 0.3).max(1).values.quantile(0.99))
+        attn = layer.self_attn
+        hd = attn.head_dim
+        n = len(attrs)
+        dims = list(range(hd // 2 - n, hd // 2))  # the slowest-rotating RoPE pairs (first halves)
+        scale = math.sqrt(40.0 * math.sqrt(hd))  # a named attribute on the patch adds ~10-15 to the logit
+        for head in (0, 1):
+            rows = [head * hd + d for d in dims]
+            attn.q_proj.weight[rows] = scale * pq
+        attn.k_proj.weight[dims] = scale * pk  # KV head 0 (query heads 0 and 1)
+        for d in dims:  # their rotation partners carry nothing
+            attn.k_proj.weight[d + hd // 2] = 0.0
+            for head in (0, 1):
+                attn.q_proj.weight[head * hd + d + hd // 2] = 0.0
+        info = {"retrieval_fit_query_exact": round(acc_q, 3), "retrieval_fit_patch_exact": round(acc_k, 3),
+                "retrieval_fit_text_p99": round(text_max, 3)}  # fmt: skip
+        log.info("fitted layer-1 content retrieval: %s", info)
+        return info
+
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -474,6 +552,7 @@ class Trainer:
             self.probe.load_state_dict(state["probe"])
             opt.load_state_dict(state["opt"])
             step, elapsed = state["step"], state["elapsed"]
+            self.retrieval_fitted = state.get("retrieval_fitted", False)
             log.info("resumed from %s at step %d", self.ckpt_path, step)
         else:
             torch.manual_seed(cfg.seed)
@@ -488,6 +567,9 @@ class Trainer:
         run_loss = run_attn = 0.0
         n_run = 0
         while step < cfg.steps:
+            if 0 <= cfg.retrieval_fit_step <= step and not self.retrieval_fitted:
+                self._log({"step": step, **self.fit_retrieval_heads()})
+                self.retrieval_fitted = True
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             items = [
@@ -537,6 +619,7 @@ class Trainer:
             "step": step,
             "elapsed": elapsed,
             "config": asdict(self.cfg),
+            "retrieval_fitted": self.retrieval_fitted,
         }
         tmp = self.ckpt_path.with_suffix(".tmp")
         torch.save(state, tmp)
