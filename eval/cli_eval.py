@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--multi-turn", type=int, metavar="K", help="K questions per image in one conversation (VQA)"
     )
     parser.add_argument(
+        "--compress",
+        choices=("prompt", "image"),
+        default="prompt",
+        help="compress the cache after the whole prompt (LLaVA's setting) or right after the image, "
+        "before the question is read (question-agnostic; the first answer token sees the compressed cache)",
+    )
+    parser.add_argument(
         "--dtype", default="auto", help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16"
     )
     parser.add_argument(
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         out_dir=args.out,
         multi_turn=args.multi_turn,
+        compress=args.compress,
         model_name=args.model,
         progress=not args.no_progress,
         data_options=data_options(args),

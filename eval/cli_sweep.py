@@ -29,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--multi-turn", type=int, metavar="K", help="K questions per image in one conversation (VQA)"
     )
+    parser.add_argument(
+        "--compress",
+        choices=("prompt", "image"),
+        default="prompt",
+        help="compress the cache after the whole prompt (LLaVA's setting) or right after the image, "
+        "before the question is read (question-agnostic; the first answer token sees the compressed cache)",
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", required=True, help="output directory (each cell resumable)")
     parser.add_argument("--no-progress", action="store_true")
@@ -56,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         multi_turn=args.multi_turn,
+        compress=args.compress,
         model_name=args.model,
         progress=not args.no_progress,
         data_options=data_options(args),

@@ -35,7 +35,12 @@ log = logging.getLogger(__name__)
 # bump when prompts or the prediction record change: a resumed directory must hold the same kind of run
 RUN_FORMAT = 1
 IDENTITY_KEYS = ("format", "task", "data", "data_options", "model", "method", "budget", "limit",
-                 "max_new_tokens", "multi_turn")  # fmt: skip
+                 "max_new_tokens", "multi_turn", "compress")  # fmt: skip
+# where the cache is compressed: "prompt" = after the whole prompt (image + question) is prefilled, as
+# LLaVA evaluates; "image" = right after the image, before the question is read (question-agnostic: the
+# setting of an image cached once and asked about later; the first answer token is then computed on the
+# compressed cache too)
+COMPRESS_AT = ("prompt", "image")
 
 
 @dataclass
@@ -50,6 +55,7 @@ class RunConfig:
     limit: int | None = None
     max_new_tokens: int | None = None
     multi_turn: int | None = None
+    compress: str = "prompt"
     data_options: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 1  # does not change predictions (tested), so not part of the identity
     format: int = RUN_FORMAT
@@ -288,6 +294,64 @@ def generate_batch(
     return [(t.strip(), n) for t, n in zip(texts, counts)]
 
 
+def generate_image_first(
+    model: Any, processor: Any, items: list[Item], max_new_tokens: int
+) -> list[tuple[str, int]]:
+    """Greedy answers with the cache compressed right after the image: each prompt is split after its last
+    image token; the first part (template head + image) is prefilled alone (a wrapped model compresses its
+    cache there), then `generate` continues on that cache with the question. Items are grouped by prompt
+    length so no padding falls between the two parts; the result does not depend on the grouping."""
+    from collections import defaultdict
+
+    tok = processor.tokenizer
+    kw = _gen_kwargs(processor, max_new_tokens)
+    wrapped = getattr(model, "_mm_oval", None) is not None
+    encoded = [
+        _model_inputs(processor, model, [it.image()], [chat_prompt(processor, it.prompt)]) for it in items
+    ]
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, enc in enumerate(encoded):
+        groups[int(enc["input_ids"].shape[1])].append(i)
+    out: list[tuple[str, int] | None] = [None] * len(items)
+    eos = tok.eos_token_id
+    for idx in groups.values():
+        ids = torch.cat([encoded[i]["input_ids"] for i in idx])
+        pix = torch.cat([encoded[i]["pixel_values"] for i in idx])
+        is_image = ids == model.config.image_token_id
+        if not bool(is_image.any(1).all()):
+            raise ConfigError("compress='image' needs an image in every prompt")
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        ends = positions.masked_fill(~is_image, -1).max(1).values + 1
+        ctx = int(ends[0])
+        if bool((ends != ctx).any()):  # same length, different image place: one at a time
+            for i in idx:
+                out[i] = generate_image_first(model, processor, [items[i]], max_new_tokens)[0]
+            continue
+        head = {
+            "input_ids": ids[:, :ctx],
+            "attention_mask": torch.ones_like(ids[:, :ctx]),
+            "pixel_values": pix,
+        }
+        with torch.inference_mode():
+            if wrapped:
+                from mm_oval.wrapper import prefill
+
+                cache = prefill(model, **head)
+            else:
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=model.config.get_text_config())
+                model(**head, cache=cache, use_cache=True)
+            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+        new = seq[:, ids.shape[1] :]
+        texts = tok.batch_decode(new, skip_special_tokens=True)
+        for j, i in enumerate(idx):
+            row = new[j].tolist()
+            n = next((k + 1 for k, t in enumerate(row) if t == eos), len(row))
+            out[i] = (texts[j].strip(), n)
+    return out  # type: ignore[return-value]
+
+
 def generate_conversation(
     model: Any, processor: Any, items: list[Item], max_new_tokens: int, reuse_cache: bool = True
 ) -> list[tuple[str, int]]:
@@ -418,6 +482,7 @@ def evaluate(
     max_new_tokens: int | None = None,
     out_dir: str | Path | None = None,
     multi_turn: int | None = None,
+    compress: str = "prompt",
     model_name: str | None = None,
     progress: bool = True,
     data_options: dict[str, Any] | None = None,
@@ -449,6 +514,7 @@ def evaluate(
         limit=limit,
         max_new_tokens=max_new,
         multi_turn=multi_turn,
+        compress=compress,
         data_options={k: str(v) for k, v in data_options.items()},
         batch_size=batch_size,
     )
@@ -467,6 +533,12 @@ def evaluate(
         state.wait_for_everyone()
         done = _read_done(out, ids)
 
+    if compress not in COMPRESS_AT:
+        raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {compress!r}")
+    if compress == "image" and multi_turn:
+        raise ConfigError(
+            "compress='image' is for single questions; multi-turn already asks after compression"
+        )
     if multi_turn and batch_size > 1:
         log.warning("--multi-turn runs one conversation at a time; --batch-size %d is ignored", batch_size)
     units = _units(items, multi_turn)
@@ -501,7 +573,8 @@ def evaluate(
                 flat = batch[0]
             else:
                 flat = [u[0] for u in batch]
-                answers = generate_batch(model, processor, flat, max_new)
+                gen = generate_image_first if compress == "image" else generate_batch
+                answers = gen(model, processor, flat, max_new)
             stats = _kv_stats(model)
             for turn, (it, (text, ntok)) in enumerate(zip(flat, answers)):
                 rec = {"id": it.id, "prediction": text, "rank": rank, "new_tokens": ntok}

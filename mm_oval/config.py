@@ -76,7 +76,12 @@ class OvalConfig:
     @property
     def evicts(self) -> bool:
         """False when nothing can be evicted (method full, or both budgets keep everything)."""
-        return self.method != "full" and not (self.budget == 1.0 and self.text_budget == 1.0)
+
+        # an int budget is a token count (1 = one token); only the float 1.0 means "keep everything"
+        def keeps_all(b: float | int) -> bool:
+            return isinstance(b, float) and b == 1.0
+
+        return self.method != "full" and not (keeps_all(self.budget) and keeps_all(self.text_budget))
 
     def replace(self, **changes: Any) -> OvalConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

@@ -338,3 +338,27 @@ def test_sigkilled_process_resumes_to_the_same_results(loaded, tiny_model_dir, v
     assert resumed["run"]["new_items"] == 8 - len(whole)
     assert _preds(out) == _preds(ref_dir)
     assert _comparable(resumed) == _comparable(ref)
+
+
+def test_compress_after_image_keeps_full_cache_answers_and_lets_methods_see_less(
+    loaded, vqa_dir, tmp_path, reference
+):
+    """compress='image' splits each prompt after the image: with the full cache nothing changes; with a
+    method, the question is read through the compressed cache, so keeping 1 image token changes answers."""
+    model, processor = loaded
+    _, b1 = reference
+    kw = {"max_new_tokens": 6, "progress": False}
+    evaluate(model, processor, "vqav2", vqa_dir, batch_size=3, compress="image", out_dir=tmp_path / "f", **kw)
+    assert _preds(tmp_path / "f") == _preds(b1)
+    prompt_side = evaluate(model, processor, "vqav2", vqa_dir, method="streamingllm", budget=1, **kw)
+    image_side = evaluate(
+        model, processor, "vqav2", vqa_dir, method="streamingllm", budget=1, compress="image",
+        batch_size=3, out_dir=tmp_path / "s", **kw,
+    )  # fmt: skip
+    assert image_side["config"]["compress"] == "image"
+    # 1 token + the 16 recent ones (all image tokens when the prompt ends at the image) of 64
+    assert image_side["kv"]["image_kv_fraction_kept"] == pytest.approx(17 / 64)
+    assert _preds(tmp_path / "s") != _preds(b1)
+    assert prompt_side["counts"]["predictions"] == image_side["counts"]["predictions"] == 8
+    with pytest.raises(ConfigError, match="compress"):
+        evaluate(model, processor, "vqav2", vqa_dir, compress="question", **kw)
