@@ -151,8 +151,8 @@ class PagedLayer(CacheLayerMixin):
         if self.phase == "empty":
             if self.owner.info is None:
                 raise ConfigError(
-                    "this PagedMultimodalCache was not prepared for a request: call the wrapped model "
-                    "(mm_oval.wrap) with input_ids, or cache.prepare(input_ids, attention_mask) first"
+                    "this PagedMultimodalCache was not prepared for a request: run it through a model wrapped "
+                    "with mm_oval.wrap (with input_ids), or call cache.prepare(...) first"
                 )
             self.keys, self.values = key_states, value_states
             self.phase = "prefill"
@@ -183,9 +183,6 @@ class PagedLayer(CacheLayerMixin):
         self.phase = "empty"
         self.logical_len = 0
         self.is_initialized = False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise ConfigError("beam search is not supported by mm-oval's cache; use greedy or sampling")
 
     # ---- prefill: eviction and pages -------------------------------------------------------------
     def finish_prefill(self, query: torch.Tensor, module: Any, scaling: float) -> None:
