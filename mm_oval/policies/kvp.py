@@ -354,6 +354,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes the file private; results and agents are shared files
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
