@@ -201,10 +201,12 @@ def save_router(router: HybridRouter, out_dir: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
     os.close(fd)
     save_file(state, tmp)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, out / WEIGHTS_FILE)
     fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump({"format": "mm-oval-router-1", **asdict(router.config)}, f, indent=2)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, out / CONFIG_FILE)
     return out
 
