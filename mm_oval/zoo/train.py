@@ -593,7 +593,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
-            run_loss += float(lm)
+            run_loss += float(lm.detach())
             n_run += 1
             if step % 25 == 0:
                 log.info("step %d/%d lm %.4f attn %.3f lr %.2e %.2fs/step", step, cfg.steps, run_loss / n_run,
