@@ -108,12 +108,35 @@ class OvalConfig:
                 raise ConfigError(f"bad item {item!r} in method spec {spec!r}; write key=value")
             key = key.strip()
             (fields if key in names else options)[key] = _parse_value(raw.strip())
+        name = name.strip()
+        if _is_retrieval_only(name):
+            # a retrieval method named alone ("oval", "quest", ...): keep the whole cache resident and read
+            # `budget` of the candidate pages per decode step (the budget axis of page retrieval)
+            fields.setdefault("retrieval", name)
+            options_target = fields.setdefault("retrieval_options", {})
+            options_target.update(options)
+            options = {}
+            name = "full"
+            if budget is not None:
+                if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+                    raise ConfigError(
+                        f"retrieval method {spec!r} takes a read budget in (0, 1], got {budget!r}"
+                    )
+                fields["read_budget"] = float(budget)
+                budget = None
         if budget is not None:
             fields["budget"] = budget
         fields.update(overrides)
         fields.setdefault("method_options", {})
         fields["method_options"] = {**fields["method_options"], **options}
-        return cls(method=name.strip(), **fields)
+        return cls(method=name, **fields)
+
+
+def _is_retrieval_only(name: str) -> bool:
+    from .policies.base import EVICTION_REGISTRY, RETRIEVAL_REGISTRY, _load_builtin_policies
+
+    _load_builtin_policies()
+    return name in RETRIEVAL_REGISTRY and name not in EVICTION_REGISTRY and name != "full"
 
 
 def field_names() -> list[str]:
