@@ -1,0 +1,12 @@
+from mm_oval.cli import main
+
+
+def test_demo_prints_the_table_for_the_full_cache_and_a_method(capsys, tmp_path):
+    assert main(["demo", "--tasks", "vqav2", "--methods", "snapkv", "--limit", "5", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
+    assert lines[0] == "| method | VQAv2 acc |"
+    assert lines[1].startswith("| full | ") and lines[2].startswith("| snapkv | ")
+    assert "of full)" in lines[2]
+    # the harness wrote its resumable runs where it was told to
+    assert (tmp_path / "vqav2" / "snapkv" / "results.json").is_file()
