@@ -22,9 +22,18 @@ def plot_sweep(
     methods: dict[str, list[tuple[float, float]]] = {}
     for c in cells:
         methods.setdefault(c["method"], []).append((float(c["budget"]), float(c["primary"])))
-    for name, pts in methods.items():
+    # more methods than the default 10-colour cycle: tab20 colours and alternating markers keep lines apart
+    palette = plt.get_cmap("tab20").colors
+    markers = "osD^v<>ph*"
+    for i, (name, pts) in enumerate(methods.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker=markers[i % len(markers)],
+            color=palette[(2 * i) % 20 + (i // 10) % 2],
+            label=name,
+        )
     if full is not None:
         ax.axhline(full, color="black", linestyle="--", linewidth=1, label=f"full cache ({full:.2f})")
     budgets = sorted({float(c["budget"]) for c in cells})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-TASKS = ("vqav2", "pope")
+TASKS = ("vqav2", "pope", "mmbench")
 DEFAULT_METHODS = ("snapkv", "kvp", "oval")
 # the bundled model has only 64 image tokens: the usual 4 sinks + 16 recent tokens would pin a third of
 # them whatever the method; keep the 3 template tokens before the image as sinks and no recent window
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tasks", default=",".join(TASKS), help="comma-separated tasks (vqav2, pope, mmbench)"
     )
-    parser.add_argument("--limit", type=int, default=60, help="first N questions of each dev set (0: all)")
+    parser.add_argument("--limit", type=int, default=0, help="first N questions of each dev set (0: all)")
     parser.add_argument("--batch-size", type=int, default=20)
     parser.add_argument("--compress", choices=("image", "prompt"), default="image")
     parser.add_argument(
@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
                 table.setdefault(name, {})[task] = float(res["primary"])
     print(format_table(table, tasks))
     print(
-        f"\n{time.perf_counter() - t0:.0f} s; bundled tiny LLaVA, first {args.limit or 'all'} questions of each dev set; "
+        f"\n{time.perf_counter() - t0:.0f} s; bundled tiny LLaVA, "
+        f"{f'first {args.limit} questions' if args.limit else 'all questions'} of each dev set; "
         f"methods keep (eviction) or read per step (retrieval) {args.budget:.0%} of the image KV; compress={args.compress}"
     )
     return 0
