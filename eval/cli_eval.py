@@ -43,15 +43,8 @@ def data_options(args: argparse.Namespace) -> dict:
     }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", required=True, help="local path or Hub id of a LLaVA model ('bundled' = the tiny one)"
-    )
-    add_data_arguments(parser)
-    parser.add_argument(
-        "--method", default="full", help="'full' (plain model) or a method spec 'name[:key=value,...]'"
-    )
-    parser.add_argument("--budget", help="KV budget of the method: a fraction (0.25) or a token count (64)")
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """How each item is generated: shared by `eval` and `sweep` (see `generation_options`)."""
     parser.add_argument(
         "--batch-size", type=int, default=1, help="questions per generate call (left padding)"
     )
@@ -69,10 +62,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16"
     )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def generation_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of `evaluate` (and `run_sweep`) that the shared command-line options set."""
+    return {
+        "limit": args.limit,
+        "batch_size": args.batch_size,
+        "max_new_tokens": args.max_new_tokens,
+        "multi_turn": args.multi_turn,
+        "compress": args.compress,
+        "model_name": args.model,
+        "progress": not args.no_progress,
+        "data_options": data_options(args),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help="local path or Hub id of a LLaVA model ('bundled' = the tiny one)"
+    )
+    add_data_arguments(parser)
+    parser.add_argument(
+        "--method", default="full", help="'full' (plain model) or a method spec 'name[:key=value,...]'"
+    )
+    parser.add_argument("--budget", help="KV budget of the method: a fraction (0.25) or a token count (64)")
+    add_generation_arguments(parser)
     parser.add_argument(
         "--out", required=True, help="output directory (resumable: rerun with the same --out)"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,15 +107,8 @@ def run(args: argparse.Namespace) -> int:
         args.data,
         method=args.method,
         budget=args.budget,
-        limit=args.limit,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
         out_dir=args.out,
-        multi_turn=args.multi_turn,
-        compress=args.compress,
-        model_name=args.model,
-        progress=not args.no_progress,
-        data_options=data_options(args),
+        **generation_options(args),
         extra_timings={"model_load_s": load_s},
     )
     from .runner import process_state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .cli_eval import add_data_arguments, data_options
+from .cli_eval import add_data_arguments, add_generation_arguments, generation_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,21 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budgets", nargs="+", required=True, help="e.g. 0.1,0.25,0.5 (fractions) or 32,64 (tokens)"
     )
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache reference run")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int)
-    parser.add_argument(
-        "--multi-turn", type=int, metavar="K", help="K questions per image in one conversation (VQA)"
-    )
-    parser.add_argument(
-        "--compress",
-        choices=("prompt", "image"),
-        default="prompt",
-        help="compress the cache after the whole prompt (LLaVA's setting) or right after the image, "
-        "before the question is read (question-agnostic; the first answer token sees the compressed cache)",
-    )
-    parser.add_argument("--dtype", default="auto")
+    add_generation_arguments(parser)
     parser.add_argument("--out", required=True, help="output directory (each cell resumable)")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,14 +46,7 @@ def run(args: argparse.Namespace) -> int:
         budgets,
         args.out,
         include_full=not args.no_full,
-        limit=args.limit,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-        multi_turn=args.multi_turn,
-        compress=args.compress,
-        model_name=args.model,
-        progress=not args.no_progress,
-        data_options=data_options(args),
+        **generation_options(args),
         extra_timings={"model_load_s": load_s},
     )
     if process_state().is_main_process:
