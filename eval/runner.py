@@ -280,17 +280,14 @@ def generate_batch(
     kw = _gen_kwargs(processor, max_new_tokens)
     with torch.inference_mode():
         seq = model.generate(**inputs, **kw)
-    new = seq[:, inputs["input_ids"].shape[1] :]
-    texts = processor.tokenizer.batch_decode(new, skip_special_tokens=True)
-    eos = processor.tokenizer.eos_token_id
-    counts = []
-    for row in new.tolist():
-        n = 0
-        for t in row:
-            n += 1
-            if t == eos:
-                break
-        counts.append(n)
+    return _decode_answers(processor.tokenizer, seq[:, inputs["input_ids"].shape[1] :])
+
+
+def _decode_answers(tok: Any, new: torch.Tensor) -> list[tuple[str, int]]:
+    """(answer text, number of generated tokens up to and including the first EOS) per row."""
+    texts = tok.batch_decode(new, skip_special_tokens=True)
+    eos = tok.eos_token_id
+    counts = [next((k + 1 for k, t in enumerate(row) if t == eos), len(row)) for row in new.tolist()]
     return [(t.strip(), n) for t, n in zip(texts, counts)]
 
 
@@ -313,7 +310,6 @@ def generate_image_first(
     for i, enc in enumerate(encoded):
         groups[int(enc["input_ids"].shape[1])].append(i)
     out: list[tuple[str, int] | None] = [None] * len(items)
-    eos = tok.eos_token_id
     for idx in groups.values():
         ids = torch.cat([encoded[i]["input_ids"] for i in idx])
         pix = torch.cat([encoded[i]["pixel_values"] for i in idx])
@@ -343,12 +339,8 @@ def generate_image_first(
                 cache = DynamicCache(config=model.config.get_text_config())
                 model(**head, cache=cache, use_cache=True)
             seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
-        new = seq[:, ids.shape[1] :]
-        texts = tok.batch_decode(new, skip_special_tokens=True)
-        for j, i in enumerate(idx):
-            row = new[j].tolist()
-            n = next((k + 1 for k, t in enumerate(row) if t == eos), len(row))
-            out[i] = (texts[j].strip(), n)
+        for i, answer in zip(idx, _decode_answers(tok, seq[:, ids.shape[1] :])):
+            out[i] = answer
     return out  # type: ignore[return-value]
 
 
