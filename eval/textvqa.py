@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import DataError
 from .files import atomic_write_json, open_image, read_json
 from .tasks import SHORT_ANSWER_PROMPT, Item, Task, find_one
-from .vqa import ARTICLES, CONTRACTIONS, MANUAL_MAP, PERIOD_STRIP, PUNCT, find_image_dir, read_vqa_results
+from .vqa import find_image_dir, process_digit_article, process_punctuation, read_vqa_results
 
 # EvalAIAnswerProcessor's tables equal vqaEval.py's master tables (checked entry by entry);
 # only the comma regex differs
@@ -33,34 +33,12 @@ def evalai_word_tokenize(word: str) -> str:
     return word.strip()
 
 
-def evalai_process_punctuation(in_text: str) -> str:
-    out_text = in_text
-    for p in PUNCT:
-        if (p + " " in in_text or " " + p in in_text) or (re.search(EVALAI_COMMA_STRIP, in_text) is not None):
-            out_text = out_text.replace(p, "")
-        else:
-            out_text = out_text.replace(p, " ")
-    return PERIOD_STRIP.sub("", out_text, int(re.UNICODE))
-
-
-def evalai_process_digit_article(in_text: str) -> str:
-    out_text = []
-    for word in in_text.lower().split():
-        word = MANUAL_MAP.get(word, word)
-        if word not in ARTICLES:
-            out_text.append(word)
-    for word_id, word in enumerate(out_text):
-        if word in CONTRACTIONS:
-            out_text[word_id] = CONTRACTIONS[word]
-    return " ".join(out_text)
-
-
 def evalai_normalize(item: str) -> str:
     """`EvalAIAnswerProcessor.__call__`."""
     item = evalai_word_tokenize(item)
     item = item.replace("\n", " ").replace("\t", " ").strip()
-    item = evalai_process_punctuation(item)
-    return evalai_process_digit_article(item)
+    item = process_punctuation(item, EVALAI_COMMA_STRIP)
+    return process_digit_article(item)
 
 
 def textvqa_accuracy(prediction: str, raw_answers: list[str]) -> float:

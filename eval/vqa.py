@@ -101,11 +101,11 @@ PUNCT = [
 ]
 
 
-def process_punctuation(in_text: str) -> str:
-    """`VQAEval.processPunctuation`."""
+def process_punctuation(in_text: str, comma_strip: re.Pattern = COMMA_STRIP) -> str:
+    """`VQAEval.processPunctuation` (EvalAI's processor is the same with its own comma regex)."""
     out_text = in_text
     for p in PUNCT:
-        if (p + " " in in_text or " " + p in in_text) or (re.search(COMMA_STRIP, in_text) is not None):
+        if (p + " " in in_text or " " + p in in_text) or (re.search(comma_strip, in_text) is not None):
             out_text = out_text.replace(p, "")
         else:
             out_text = out_text.replace(p, " ")
