@@ -102,7 +102,10 @@ def request_info(
 
 def choose_kept(scores: torch.Tensor, info: RequestInfo, config: OvalConfig) -> torch.Tensor:
     """(B, Hkv, N) scores -> (B, Hkv, N) bool: per sample and KV head, the protected tokens plus the
-    top-scored ones, within each modality's budget (scope "image") or all together (scope "all")."""
+    top-scored ones, within each modality's budget (scope "image") or all together (scope "all").
+    With head_budget "shared" the KV heads of the layer keep Hkv times a head's count between them, the
+    top of all (head, token) scores together: a head whose tokens score higher keeps more, another fewer
+    (protected tokens still in every head)."""
     B, H, N = scores.shape
     mod = info.modality.unsqueeze(1).expand(B, H, N)
     prot = info.protected.unsqueeze(1).expand(B, H, N)
@@ -112,14 +115,17 @@ def choose_kept(scores: torch.Tensor, info: RequestInfo, config: OvalConfig) -> 
         n = (info.modality == m).sum(-1)  # (B,)
         p = (info.protected & (info.modality == m)).sum(-1)
         counts[m] = (budget_count(budget, n), p)
-    if config.scope == "all":
-        k = counts[IMAGE][0] + counts[TEXT][0]
-        k = torch.maximum(k, counts[IMAGE][1] + counts[TEXT][1])
-        return topk_mask(s, mod != PAD, k.view(B, 1).expand(B, H))
+    groups = [((mod != PAD), counts[IMAGE][0] + counts[TEXT][0], counts[IMAGE][1] + counts[TEXT][1])]
+    if config.scope != "all":
+        groups = [((mod == m), k, p) for m, (k, p) in counts.items()]
     keep = torch.zeros_like(prot)
-    for m, (k, p) in counts.items():
-        k = torch.maximum(k, p).view(B, 1).expand(B, H)
-        keep |= topk_mask(s, mod == m, k)
+    for eligible, k, p in groups:
+        k = torch.maximum(k, p)  # (B,) tokens per head
+        if config.head_budget == "shared":
+            joint = topk_mask(s.reshape(B, H * N), eligible.reshape(B, H * N), k * H)
+            keep |= joint.view(B, H, N)
+        else:
+            keep |= topk_mask(s, eligible, k.view(B, 1).expand(B, H))
     return keep
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from .errors import ConfigError
 
 SCOPES = ("image", "all")
+HEAD_BUDGETS = ("uniform", "shared")
 
 
 def _check_budget(name: str, value: Any) -> None:
@@ -32,6 +33,9 @@ class OvalConfig:
     budget: float | int = 1.0  # image tokens kept: fraction in (0, 1] or token count
     text_budget: float | int = 1.0  # text tokens kept
     scope: str = "image"  # "image": per-modality ranking; "all": modality-blind at the same total count
+    # "uniform": every KV head keeps the same count; "shared": a layer's heads share Hkv x that count, ranked
+    # jointly on the method's scores (which must then be comparable across heads)
+    head_budget: str = "uniform"
     sink_tokens: int = 4
     recent_tokens: int = 16
     retrieval: str | None = None
@@ -52,6 +56,8 @@ class OvalConfig:
         _check_budget("text_budget", self.text_budget)
         if self.scope not in SCOPES:
             raise ConfigError(f"scope={self.scope!r} is not one of {SCOPES}")
+        if self.head_budget not in HEAD_BUDGETS:
+            raise ConfigError(f"head_budget={self.head_budget!r} is not one of {HEAD_BUDGETS}")
         if self.retrieval_scope not in SCOPES:
             raise ConfigError(f"retrieval_scope={self.retrieval_scope!r} is not one of {SCOPES}")
         for name in ("sink_tokens", "recent_tokens"):

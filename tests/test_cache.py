@@ -98,6 +98,47 @@ def test_scope_all_ranks_every_token_together_at_the_same_total_count():
     assert (blind & (info.modality == IMAGE).unsqueeze(1)).sum(-1).tolist() == [[16], [14]]
 
 
+def test_shared_head_budget_moves_memory_to_the_heads_that_score_higher():
+    info = _toy_info(sink=2, recent=3)
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 40, generator=g)
+    scores[:, 1] += 5.0  # head 1's tokens all score above the others'
+    kw = dict(method="random", budget=0.25, text_budget=0.5, sink_tokens=2, recent_tokens=3)
+    uniform = choose_kept(scores, info, OvalConfig(**kw))
+    shared = choose_kept(scores, info, OvalConfig(**kw, head_budget="shared"))
+    for m in (IMAGE, TEXT):
+        is_m = (info.modality == m).unsqueeze(1)
+        # the same memory per sample and modality, divided differently among the heads
+        assert ((shared & is_m).sum((1, 2)) == (uniform & is_m).sum((1, 2))).all()
+        assert ((shared & is_m)[:, 1].sum(-1) > (uniform & is_m)[:, 1].sum(-1)).all()
+    for b in range(2):
+        prot = info.protected[b]
+        assert shared[b][:, prot].all()  # sinks and the recent window are kept in every head
+        assert not (shared[b] & (info.modality[b] == PAD)).any()
+        # what is kept is the joint top of the (head, token) scores of the modality
+        img = ((info.modality[b] == IMAGE) & ~prot).expand(3, -1)
+        kept_s, drop_s = scores[b][img & shared[b]], scores[b][img & ~shared[b]]
+        assert kept_s.min() >= drop_s.max()
+    # equal scores in every head: shared and uniform agree
+    same = scores[:, :1].expand(2, 3, 40)
+    assert torch.equal(choose_kept(same, info, OvalConfig(**kw, head_budget="shared")).sum(-1),
+                       choose_kept(same, info, OvalConfig(**kw)).sum(-1))  # fmt: skip
+
+
+def test_a_shared_head_budget_through_the_wrapped_model_keeps_the_uniform_memory(model_and_processor):
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    kept = {}
+    for hb in ("uniform", "shared"):
+        mm_oval.wrap(model, method="h2o", budget=0.25, head_budget=hb)
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+        s = get_stats(model)
+        kept[hb] = (s["kv_bytes_kept"], [row["image_tokens_kept"] for row in s["layers"]])
+        mm_oval.unwrap(model)
+    assert kept["shared"] == kept["uniform"]  # per layer, the heads' total is the uniform total
+
+
 @pytest.mark.parametrize("budget", [0.1, 0.25, 0.5])
 def test_kv_bytes_kept_are_the_budget_share_of_the_full_cache(model_and_processor, budget):
     model, processor = model_and_processor
@@ -308,6 +349,7 @@ def test_from_spec_parses_method_options_and_config_fields():
         ({"text_budget": -3}, "out of range"),
         ({"budget": True}, "fraction"),
         ({"scope": "video"}, "scope"),
+        ({"head_budget": "per-layer"}, "head_budget"),
         ({"read_budget": 1.5}, "read_budget"),
         ({"sink_tokens": -1}, "sink_tokens"),
         ({"image_tile": 0}, "image_tile"),
