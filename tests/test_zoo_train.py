@@ -44,3 +44,34 @@ def test_training_smoke_resumes_and_exports_a_plain_llava(tmp_path):
     model = LlavaForConditionalGeneration.from_pretrained(out)
     assert model.config.text_config.num_key_value_heads < model.config.text_config.num_attention_heads
     assert AutoProcessor.from_pretrained(out).tokenizer.convert_tokens_to_ids("red") > 0
+
+
+def test_letter_teacher_points_each_option_word_at_its_own_letter():
+    _, proc = build_tiny_llava(seed=0, attn_implementation="eager")
+    enc = Encoder(proc.tokenizer)
+    items = [TrainSampler(0, mmbench_fraction=1.0).item(i, 3) for i in range(2)]
+    assert (0, 2) not in make_batch(items, enc).teach
+    bi, qi, km = make_batch(items, enc, letter_teacher=True).teach[(0, 2)]
+    ids = make_batch(items, enc).input_ids
+    n_options = sum(len(q.options) for it in items for q in it.questions)
+    assert len(qi) == n_options  # one-word options: one row per option
+    for b, q, row in zip(bi.tolist(), qi.tolist(), km):
+        (letter,) = row.nonzero().flatten().tolist()
+        assert letter == q - 2  # "B", ".", then the option's word
+        assert proc.tokenizer.convert_ids_to_tokens(int(ids[b, letter])) in "ABCD"
+
+
+def test_init_from_continues_another_runs_weights_with_a_fresh_schedule(tmp_path):
+    cfg = TrainConfig(steps=1, vision_steps=1, vision_batch=2, images_per_batch=2, questions_per_image=2,
+                      eval_every=5, eval_items=2, warmup=1, projector_steps=1)  # fmt: skip
+    first = Trainer(tmp_path / "a", cfg)
+    first.run()
+    cfg2 = TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "a" / "train_state.ckpt.pt"),
+                          "letter_teacher": True, "steps": 1})  # fmt: skip
+    second = Trainer(tmp_path / "b", cfg2)
+    second.run()
+    log = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["stage"] == "init" and log[0]["from_step"] == 1
+    assert not any(r.get("stage") == "vision" for r in log)  # no vision / projector stage again
+    state = torch.load(tmp_path / "b" / "train_state.ckpt.pt", weights_only=False)
+    assert state["step"] == 1

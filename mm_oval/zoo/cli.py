@@ -35,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .train import TrainConfig
 
     for f in fields(TrainConfig):
-        t.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):  # --letter-teacher / --no-letter-teacher
+            t.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            t.add_argument(flag, type=type(f.default), default=f.default)
 
     c = sub.add_parser("check", help="grounding check of a checkpoint on the bundled dev questions")
     c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled one)")

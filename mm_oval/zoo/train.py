@@ -73,6 +73,11 @@ class TrainConfig:
     # once the keyword heads have formed, set layer 1's content-matching query/key maps by least squares
     # from the model's own hidden states (see fit_retrieval_heads; mixed results so far, off by default); -1: never
     retrieval_fit_step: int = -1
+    # teach layer 0 head 2 to copy each option's letter onto the option's text (the multiple-choice hop)
+    letter_teacher: bool = False
+    # start from the weights of another run's train_state.ckpt.pt (fresh optimiser and schedule, no
+    # vision/projector stage): continue a finished run with a new schedule or objective
+    init_from: str = ""
 
     def validate(self) -> None:
         if self.steps < 1 or self.images_per_batch < 1 or self.questions_per_image < 1:
@@ -135,12 +140,16 @@ class Encoder:
         seg_start["q"] = len(ids)
         ids += self.ids(q.text)
         option_pos = None
+        letter_links = []  # (position of an option's text word, position of its letter)
         if q.options:
             right = LETTERS.index(q.answer)
             for i, opt in enumerate(q.options):
+                letter = len(ids)
                 ids += self.ids(f"{LETTERS[i]}.")
+                text = list(range(len(ids), len(ids) + len(self.ids(opt))))
                 if i == right:
-                    option_pos = list(range(len(ids), len(ids) + len(self.ids(opt))))
+                    option_pos = text
+                letter_links += [(p, letter) for p in text]
                 ids += self.ids(opt)
             ids += self.ids(MMB_SUFFIX)
         else:
@@ -152,7 +161,7 @@ class Encoder:
             raise ConfigError(f"answer {q.answer!r} is not one word of the vocabulary")
         ids += [ans[0], self.eos]
         keys = [seg_start[seg] + i for seg, i in q.keys]
-        return ids, {"answer_pos": answer_pos, "keys": keys, "option_pos": option_pos}
+        return ids, {"answer_pos": answer_pos, "keys": keys, "option_pos": option_pos, "letter_links": letter_links}
 
 
 @dataclass
@@ -170,7 +179,7 @@ class Batch:
     patch_labels: torch.Tensor  # (B, 64, 4)
 
 
-def make_batch(items, enc: Encoder, n_image_tokens: int = GRID * GRID) -> Batch:
+def make_batch(items, enc: Encoder, n_image_tokens: int = GRID * GRID, letter_teacher: bool = False) -> Batch:
     prefix = enc.prefix + [enc.image_id] * n_image_tokens
     P = len(prefix)
     seqs, metas = [], []
@@ -216,6 +225,11 @@ def make_batch(items, enc: Encoder, n_image_tokens: int = GRID * GRID) -> Batch:
             # layer 2, head 0: the text of the right option (multiple choice)
             if m["option_pos"]:
                 teach_rows.setdefault((2, 0), []).append((b, a, [start + p for p in m["option_pos"]]))
+            # layer 0, head 2: each option's text looks back at its letter, so the option the answer
+            # position finds in layer 2 carries the letter to answer with
+            if letter_teacher:
+                for p, letter in m["letter_links"]:
+                    teach_rows.setdefault((0, 2), []).append((b, start + p, [start + letter]))
         # rows past the end attend to themselves (padding; no loss there)
         for i in range(len(ids), L):
             mask[b, 0, i, i] = True
@@ -554,6 +568,13 @@ class Trainer:
             step, elapsed = state["step"], state["elapsed"]
             self.retrieval_fitted = state.get("retrieval_fitted", False)
             log.info("resumed from %s at step %d", self.ckpt_path, step)
+        elif cfg.init_from:
+            state = torch.load(cfg.init_from, map_location="cpu", weights_only=False)
+            model.load_state_dict(state["model"])
+            self.probe.load_state_dict(state["probe"])
+            self._log({"stage": "init", "from": str(cfg.init_from), "from_step": state["step"]})
+            log.info("initialised from %s (its step %d); fresh optimiser and schedule", cfg.init_from, state["step"])
+            self._save_state(opt, step, elapsed)
         else:
             torch.manual_seed(cfg.seed)
             t0 = time.time()
@@ -576,7 +597,7 @@ class Trainer:
                 self.sampler.item(step * cfg.images_per_batch + i, cfg.questions_per_image)
                 for i in range(cfg.images_per_batch)
             ]
-            batch = make_batch(items, self.enc)
+            batch = make_batch(items, self.enc, letter_teacher=cfg.letter_teacher)
             teach_on = cfg.attn_weight > 0 and step < cfg.attn_until * cfg.steps
             out = self._forward(batch, want_attn=teach_on, want_hidden=cfg.exit_weight > 0)
             logits = out.logits
