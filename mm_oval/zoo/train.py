@@ -161,7 +161,12 @@ class Encoder:
             raise ConfigError(f"answer {q.answer!r} is not one word of the vocabulary")
         ids += [ans[0], self.eos]
         keys = [seg_start[seg] + i for seg, i in q.keys]
-        return ids, {"answer_pos": answer_pos, "keys": keys, "option_pos": option_pos, "letter_links": letter_links}
+        return ids, {
+            "answer_pos": answer_pos,
+            "keys": keys,
+            "option_pos": option_pos,
+            "letter_links": letter_links,
+        }
 
 
 @dataclass
@@ -573,7 +578,11 @@ class Trainer:
             model.load_state_dict(state["model"])
             self.probe.load_state_dict(state["probe"])
             self._log({"stage": "init", "from": str(cfg.init_from), "from_step": state["step"]})
-            log.info("initialised from %s (its step %d); fresh optimiser and schedule", cfg.init_from, state["step"])
+            log.info(
+                "initialised from %s (its step %d); fresh optimiser and schedule",
+                cfg.init_from,
+                state["step"],
+            )
             self._save_state(opt, step, elapsed)
         else:
             torch.manual_seed(cfg.seed)
