@@ -69,6 +69,35 @@ def test_each_layer_and_head_gets_its_own_routing_vector_and_lora_starts_at_zero
     assert torch.allclose(r.out(x), r.out.base(x))  # B = 0: LoRA adds nothing before training
 
 
+def test_the_per_layer_rows_and_the_precomputed_parts_give_the_full_computation():
+    """At decode the router computes only its layer's rows of the output layer, takes the page keys/values
+    made when the pages closed and the step's text state made once: the same vectors as the whole network."""
+    torch.manual_seed(2)
+    r = _router()
+    with torch.no_grad():
+        r.out.lora_b.normal_()  # a trained LoRA
+    h = torch.randn(2, 32)
+    emb = torch.randn(2, 2, 6, 16)
+    img = torch.rand(2, 2, 6) > 0.3
+    c = r.config
+    with torch.no_grad():
+        t = r.text_state(h)
+        w = torch.softmax(
+            ((r.xq(t)[:, None, None] * r.xk(emb)).sum(-1) / 4.0).masked_fill(~img, -torch.inf), -1
+        )
+        z = r.mlp(
+            torch.cat(
+                [t[:, None].expand(2, 2, 16), r.xo((w.nan_to_num(0)[..., None] * r.xv(emb)).sum(-2))], -1
+            )
+        )
+        full = r.out(z).reshape(2, 2, c.num_layers, c.num_kv_heads, 16)
+        for layer in range(c.num_layers):
+            want = torch.stack([full[:, hh, layer, hh] for hh in range(2)], 1)
+            torch.testing.assert_close(r.routing_vectors(h, emb, img, layer), want)
+            got = r.routing_vectors(h, emb, img, layer, r.page_keys_values(emb), t)
+            torch.testing.assert_close(got, want)
+
+
 def test_pool_page_content_averages_the_page_tokens_only():
     embeds = torch.arange(12, dtype=torch.float).view(1, 6, 2)  # token i has embedding (2i, 2i+1)
     idx = torch.tensor([[[[0, 1, -1], [4, -1, -1], [-1, -1, -1]]]])  # (1, 1, 3 pages, 3 slots)

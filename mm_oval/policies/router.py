@@ -149,22 +149,44 @@ class HybridRouter(nn.Module):
 
     # one step ---------------------------------------------------------------------------------------
     def routing_vectors(
-        self, last_hidden: torch.Tensor, page_emb: torch.Tensor, image_pages: torch.Tensor, layer_idx: int
+        self,
+        last_hidden: torch.Tensor,
+        page_emb: torch.Tensor,
+        image_pages: torch.Tensor,
+        layer_idx: int,
+        page_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        text_state: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """last_hidden (B, hidden), page_emb (B, Hkv, P, R), image_pages (B, Hkv, P) bool -> u (B, Hkv, R)."""
+        """last_hidden (B, hidden), page_emb (B, Hkv, P, R), image_pages (B, Hkv, P) bool -> u (B, Hkv, R).
+        `page_kv`: `page_keys_values(page_emb)` computed once when the pages closed; `text_state`:
+        `text_state(last_hidden)` computed once per decode step; both optional (computed here if absent).
+        Only layer `layer_idx`'s rows of the output layer are computed."""
         c = self.config
         b, hkv, p, r = page_emb.shape
-        t = self.text_proj(self.text_norm(last_hidden.float()))  # (B, R)
+        t = self.text_state(last_hidden) if text_state is None else text_state  # (B, R)
         q = self.xq(t)[:, None, None, :]  # (B, 1, 1, R)
-        k, v = self.xk(page_emb), self.xv(page_emb)
+        k, v = self.page_keys_values(page_emb) if page_kv is None else page_kv
         att = (q * k).sum(-1) / math.sqrt(r)  # (B, Hkv, P)
         att = att.masked_fill(~image_pages, float("-inf"))
         w = torch.softmax(att, -1).nan_to_num(0.0)  # no image page: no fused term
         fused = self.xo((w.unsqueeze(-1) * v).sum(-2))  # (B, Hkv, R)
-        z = self.mlp(torch.cat([t.unsqueeze(1).expand(b, hkv, r), fused], -1))
-        out = self.out(z).reshape(b, hkv, c.num_layers, c.num_kv_heads, r)
-        heads = torch.arange(hkv, device=out.device)
-        return out[:, heads, layer_idx, heads]  # (B, Hkv, R): head h's own vector
+        z = self.mlp(torch.cat([t.unsqueeze(1).expand(b, hkv, r), fused], -1))  # (B, Hkv, M)
+        # only the output layer's rows of (layer_idx, head h) for head h: W z + bias + scale * B (A z)
+        heads = torch.arange(hkv, device=z.device)
+        L, H = c.num_layers, c.num_kv_heads
+        w_out = self.out.base.weight.view(L, H, r, -1)[layer_idx, heads]  # (Hkv, R, M)
+        b_out = self.out.base.bias.view(L, H, r)[layer_idx, heads]  # (Hkv, R)
+        lora_b = self.out.lora_b.view(L, H, r, -1)[layer_idx, heads]  # (Hkv, R, rank)
+        u = torch.einsum("bhm,hrm->bhr", z, w_out) + b_out
+        return u + self.out.scale * torch.einsum("bhk,hrk->bhr", z @ self.out.lora_a.T, lora_b)
+
+    def text_state(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) -> (B, R): the previous token's state, the same for every layer of a decode step."""
+        return self.text_proj(self.text_norm(last_hidden.float()))
+
+    def page_keys_values(self, page_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values of page embeddings: fixed once a page has closed."""
+        return self.xk(page_emb), self.xv(page_emb)
 
     def forward(
         self,
@@ -173,10 +195,12 @@ class HybridRouter(nn.Module):
         page_kind: torch.Tensor,
         page_valid: torch.Tensor,
         layer_idx: int,
+        page_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        text_state: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Page logits (B, Hkv, P); -inf for pages that are not valid."""
         image = page_valid & (page_kind == IMAGE)
-        u = self.routing_vectors(last_hidden, page_emb, image, layer_idx)
+        u = self.routing_vectors(last_hidden, page_emb, image, layer_idx, page_kv, text_state)
         logits = (u.unsqueeze(-2) * page_emb).sum(-1) / self.log_temperature.exp()
         p = page_emb.shape[-2]
         # locality: distance in pages to the newest valid page of the head
@@ -304,8 +328,10 @@ class RouterRetrieval(RetrievalPolicy):
         else:
             content, _ = pool_page_content(embeds, token_index)
         with torch.no_grad():
-            emb = self.router.to(content.device).embed_pages(content, kind)
-        return {"route_emb": emb}
+            router = self.router.to(content.device)
+            emb = router.embed_pages(content, kind)
+            k, v = router.page_keys_values(emb)
+        return {"route_emb": emb, "route_k": k, "route_v": v}
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         hidden = ctx.extra.get("last_hidden")
@@ -320,4 +346,9 @@ class RouterRetrieval(RetrievalPolicy):
                 "it was trained for another model; train one with `mm-oval train-router`"
             )
         with torch.no_grad():
-            return self.router(hidden, emb, ctx.page_kind, ctx.page_len > 0, ctx.layer_idx)
+            # the text state depends on the step only: the first layer computes it, the others reuse it
+            cached = ctx.extra.get("router_text_state")
+            if cached is None or cached[0] is not hidden:
+                cached = ctx.extra["router_text_state"] = (hidden, self.router.text_state(hidden))
+            kv = (ctx.summaries["route_k"], ctx.summaries["route_v"]) if "route_k" in ctx.summaries else None
+            return self.router(hidden, emb, ctx.page_kind, ctx.page_len > 0, ctx.layer_idx, kv, cached[1])
