@@ -164,19 +164,18 @@ class HybridRouter(nn.Module):
         c = self.config
         b, hkv, p, r = page_emb.shape
         t = self.text_state(last_hidden) if text_state is None else text_state  # (B, R)
-        q = self.xq(t)[:, None, None, :]  # (B, 1, 1, R)
+        q = self.xq(t)  # (B, R)
         k, v = self.page_keys_values(page_emb) if page_kv is None else page_kv
-        att = (q * k).sum(-1) / math.sqrt(r)  # (B, Hkv, P)
+        att = torch.einsum("br,bhpr->bhp", q, k) / math.sqrt(r)  # (B, Hkv, P)
         att = att.masked_fill(~image_pages, float("-inf"))
         w = torch.softmax(att, -1).nan_to_num(0.0)  # no image page: no fused term
-        fused = self.xo((w.unsqueeze(-1) * v).sum(-2))  # (B, Hkv, R)
+        fused = self.xo(torch.einsum("bhp,bhpr->bhr", w, v))  # (B, Hkv, R)
         z = self.mlp(torch.cat([t.unsqueeze(1).expand(b, hkv, r), fused], -1))  # (B, Hkv, M)
         # only the output layer's rows of (layer_idx, head h) for head h: W z + bias + scale * B (A z)
-        heads = torch.arange(hkv, device=z.device)
         L, H = c.num_layers, c.num_kv_heads
-        w_out = self.out.base.weight.view(L, H, r, -1)[layer_idx, heads]  # (Hkv, R, M)
-        b_out = self.out.base.bias.view(L, H, r)[layer_idx, heads]  # (Hkv, R)
-        lora_b = self.out.lora_b.view(L, H, r, -1)[layer_idx, heads]  # (Hkv, R, rank)
+        w_out = self.out.base.weight.view(L, H, r, -1)[layer_idx, :hkv]  # (Hkv, R, M), a view
+        b_out = self.out.base.bias.view(L, H, r)[layer_idx, :hkv]  # (Hkv, R)
+        lora_b = self.out.lora_b.view(L, H, r, -1)[layer_idx, :hkv]  # (Hkv, R, rank)
         u = torch.einsum("bhm,hrm->bhr", z, w_out) + b_out
         return u + self.out.scale * torch.einsum("bhk,hrk->bhr", z @ self.out.lora_a.T, lora_b)
 
@@ -201,7 +200,7 @@ class HybridRouter(nn.Module):
         """Page logits (B, Hkv, P); -inf for pages that are not valid."""
         image = page_valid & (page_kind == IMAGE)
         u = self.routing_vectors(last_hidden, page_emb, image, layer_idx, page_kv, text_state)
-        logits = (u.unsqueeze(-2) * page_emb).sum(-1) / self.log_temperature.exp()
+        logits = torch.einsum("bhr,bhpr->bhp", u, page_emb) / self.log_temperature.exp()
         p = page_emb.shape[-2]
         # locality: distance in pages to the newest valid page of the head
         idx = torch.arange(p, device=logits.device)

@@ -1,0 +1,261 @@
+"""What mm-oval's scoring adds to the model work it rides on, at LLaVA-1.5-7B's shapes, measured side by side.
+
+    python benchmarks/bench_overhead.py                          # CPU, fp32, 1 thread
+    python benchmarks/bench_overhead.py --device cuda --dtype bfloat16 --out overhead.json
+
+One decoder layer of LLaVA-1.5-7B's language model (Vicuna-7B: hidden 4096, 32 heads = 32 KV heads of dim
+128, MLP 11008, RoPE), random weights, a prompt of 576 image tokens (24 x 24 patches) + text. Every ratio is
+per layer, so it holds for the 32-layer model (whose vision tower, embeddings and LM head only add to the
+model's side).
+
+- prefill: the layer's forward over the prompt vs KVP scoring of that layer's 32 KV heads (the committed
+  agent shape, proj 64 / hidden 64 with the modality and 2-D features, and the paper's, proj 256 / hidden
+  256 without them);
+- decode: the layer's forward for one new token over the cached prompt (transformers' DynamicCache) vs each
+  retrieval method choosing the pages that layer reads (scoring + top-k at a 25% read budget). The router's
+  text state is computed once per step for all layers: it is counted as 1/32 per layer.
+
+Configurations alternate within each repeat (machine load hits them alike); medians are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mm_oval.policies.base import IMAGE, TEXT, DecodeContext, PageBatch, make_retrieval
+from mm_oval.policies.kvp import KVPAgentConfig, KVPAgents
+from mm_oval.policies.router import HybridRouter, RouterConfig, RouterRetrieval
+
+LLAVA7B = dict(hidden=4096, heads=32, kv_heads=32, head_dim=128, mlp=11008, layers=32, grid=24)
+
+
+def build_layer(device, dtype):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    s = LLAVA7B
+    cfg = LlamaConfig(
+        hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+        intermediate_size=s["mlp"], num_hidden_layers=1, max_position_embeddings=4096,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(cfg, layer_idx=0)
+    for p in layer.parameters():  # the scale of a trained layer (N(0, 0.02)), not the default init
+        torch.nn.init.normal_(p, std=0.02) if p.ndim > 1 else torch.nn.init.ones_(p)
+    return layer.to(device=device, dtype=dtype).eval(), LlamaRotaryEmbedding(cfg).to(device), cfg
+
+
+def prompt_layout(n_text: int, device):
+    """576 image tokens after a 5-token prefix, then text: positions, modality, (image, row, col)."""
+    g = LLAVA7B["grid"]
+    n = 5 + g * g + n_text
+    mod = torch.full((1, n), TEXT, dtype=torch.long, device=device)
+    mod[0, 5 : 5 + g * g] = IMAGE
+    rc = torch.full((1, n, 3), -1, dtype=torch.long, device=device)
+    idx = torch.arange(g * g, device=device)
+    rc[0, 5 : 5 + g * g] = torch.stack([torch.zeros_like(idx), idx // g, idx % g], -1)
+    return torch.arange(n, device=device)[None], mod, rc
+
+
+def pages_of(keys, values, mod, rc, embeds, module):
+    """Pages as the cache makes them: 2x2 image tiles (144 pages of 4 tokens) and 16-token text runs."""
+    B, H, N, D = keys.shape
+    g = LLAVA7B["grid"]
+    label = torch.empty(N, dtype=torch.long)
+    img = (mod[0] == IMAGE).cpu()
+    r, c = rc[0, :, 1].cpu(), rc[0, :, 2].cpu()
+    n_tiles = (g // 2) ** 2
+    label[img] = (r[img] // 2) * (g // 2) + c[img] // 2
+    txt_idx = (~img).nonzero().flatten()
+    label[txt_idx] = n_tiles + torch.arange(len(txt_idx)) // 16
+    P = int(label.max()) + 1
+    T = 16
+    token_index = torch.full((B, H, P, T), -1, dtype=torch.long)
+    fill = torch.zeros(P, dtype=torch.long)
+    for i in range(N):
+        p = int(label[i])
+        token_index[:, :, p, fill[p]] = i
+        fill[p] += 1
+    token_index = token_index.to(keys.device)
+    mask = token_index >= 0
+    gi = token_index.clamp(min=0).reshape(B, H, P * T, 1).expand(B, H, P * T, D)
+    k = keys.gather(2, gi).reshape(B, H, P, T, D) * mask[..., None]
+    v = values.gather(2, gi).reshape(B, H, P, T, D) * mask[..., None]
+    kind = torch.where(torch.arange(P) < n_tiles, IMAGE, TEXT).to(torch.int8)
+    kind = kind.to(keys.device).expand(B, H, P).contiguous()
+    batch = PageBatch(layer_idx=0, keys=k, values=v, mask=mask, kind=kind, first_page=0, module=module,
+                      token_index=token_index, extra={"inputs_embeds": embeds})  # fmt: skip
+    page_len = mask.sum(-1)
+    page_start = page_len.cumsum(-1) - page_len
+    return batch, page_start, page_len, kind
+
+
+def timer(device):
+    def run(fn, reps: int = 1) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    return run
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument(
+        "--text-tokens", type=int, default=59, help="prompt text tokens besides the 5-token prefix"
+    )
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    ap.add_argument("--read-budget", type=float, default=0.25)
+    ap.add_argument("--out", default=None, help="also write the figures as JSON here")
+    args = ap.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    clock = timer(device)
+    s = LLAVA7B
+    layer, rope, cfg = build_layer(device, dtype)
+    pos, mod, rc = prompt_layout(args.text_tokens, device)
+    N = pos.shape[1]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = (torch.randn(1, N, s["hidden"], generator=g) * 0.5).to(device=device, dtype=dtype)
+    pe = rope(x, pos)
+
+    # the layer's K/V of the prompt, as the cache holds them (after RoPE)
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    shape = (1, N, s["kv_heads"], s["head_dim"])
+    q = attn.q_proj(h).view(1, N, s["heads"], s["head_dim"]).transpose(1, 2)
+    k = attn.k_proj(h).view(shape).transpose(1, 2)
+    v = attn.v_proj(h).view(shape).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *pe)
+
+    agents = {
+        "kvp (proj 64, hidden 64, + modality / 2-D features)": KVPAgents(
+            KVPAgentConfig(
+                num_layers=1, num_kv_heads=s["kv_heads"], head_dim=s["head_dim"], grid_side=s["grid"]
+            )
+        ),
+        "kvp, paper size (proj 256, hidden 256)": KVPAgents(
+            KVPAgentConfig(
+                num_layers=1,
+                num_kv_heads=s["kv_heads"],
+                head_dim=s["head_dim"],
+                proj=256,
+                hidden=256,
+                pos_dim=32,
+                pos_table=6000,
+                extra_features=(),
+            )  # fmt: skip
+        ),
+    }
+    agents = {name: a.to(device=device).eval() for name, a in agents.items()}
+    kf, vf = k.float(), v.float()
+
+    # decode: the prompt cached, one new token
+    cache = DynamicCache()
+    layer(x, position_embeddings=pe, cache=cache, use_cache=True)
+    x1 = torch.randn(1, 1, s["hidden"], generator=g).to(device=device, dtype=dtype) * 0.5
+    pe1 = rope(x1, torch.tensor([[N]], device=device))
+
+    def decode_step():
+        layer(x1, position_embeddings=pe1, cache=cache, use_cache=True)
+        cache.crop(-1)  # drop the new token again
+
+    embeds = x.float()
+    pages, page_start, page_len, kind = pages_of(kf, vf, mod, rc, embeds, attn)
+    cand = (kind == IMAGE) & (page_len > 0)
+    query1 = attn.q_proj(layer.input_layernorm(x1)).view(1, 1, s["heads"], s["head_dim"]).transpose(1, 2)
+    router = HybridRouter(
+        RouterConfig(hidden_size=s["hidden"], num_layers=s["layers"], num_kv_heads=s["kv_heads"])
+    )
+    retrieval = {
+        "quest": make_retrieval("quest"),
+        "locks": make_retrieval("locks"),
+        "oval": make_retrieval("oval"),
+        "router": RouterRetrieval(router=router.to(device).eval()),
+    }
+    summaries = {name: pol.summarize(pages) for name, pol in retrieval.items()}
+    hidden_last = torch.randn(1, s["hidden"], generator=g).to(device)
+
+    def select(name, layer_idx=0, extra=None):
+        ctx = DecodeContext(
+            layer_idx=layer_idx, query=query1.float(), summaries=summaries[name], page_start=page_start,
+            page_len=page_len, page_kind=kind, candidates=cand, scaling=attn.scaling, module=attn,
+            extra=extra if extra is not None else {"last_hidden": hidden_last},
+        )  # fmt: skip
+        return retrieval[name].select(ctx, args.read_budget)
+
+    def router_step():  # one decode step: the text state once, then every layer
+        extra = {"last_hidden": hidden_last}
+        for li in range(s["layers"]):
+            select("router", li, extra)
+
+    jobs = {
+        "prefill layer": lambda: layer(x, position_embeddings=pe),
+        **{name: (lambda a=a: a.score_layer(0, kf, vf, pos, mod, rc)) for name, a in agents.items()},
+        "decode layer": decode_step,
+        **{f"{name} page choice": (lambda n=name: select(n)) for name in ("quest", "locks", "oval")},
+        "router page choice (a step of 32 layers)": router_step,
+    }
+    for fn in jobs.values():  # warm up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    for _ in range(args.repeats):
+        for name, fn in jobs.items():
+            times[name].append(clock(fn, 3))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    med["router page choice (per layer)"] = med.pop("router page choice (a step of 32 layers)") / s["layers"]
+
+    rows = []
+    for name in agents:
+        rows.append(("prefill", name, med[name], med["prefill layer"]))
+    for name in ("quest", "locks", "oval", "router"):
+        key = f"{name} page choice" + (" (per layer)" if name == "router" else "")
+        rows.append(("decode", name, med[key], med["decode layer"]))
+    title = (
+        f"mm-oval overhead at LLaVA-1.5-7B's layer shape ({args.device}, {args.dtype}, prompt {N} tokens, "
+        f"read budget {args.read_budget}, median of {args.repeats})"
+    )
+    print(title)
+    print(f"{'phase':<8} {'part':<52} {'part ms':>9} {'layer ms':>9} {'ratio':>8}")
+    for phase, name, part, base in rows:
+        print(f"{phase:<8} {name:<52} {1e3 * part:>9.3f} {1e3 * base:>9.3f} {100 * part / base:>7.2f}%")
+    if args.out:
+        payload = {
+            "title": title,
+            "device": args.device,
+            "dtype": args.dtype,
+            "prompt_tokens": N,
+            "median_seconds": med,
+            "rows": [
+                {"phase": p, "part": n, "part_s": a, "layer_s": b, "ratio": a / b} for p, n, a, b in rows
+            ],
+        }
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
