@@ -121,6 +121,27 @@ def test_agents_without_extra_features_match_the_kernel_reference_layout():
     assert torch.allclose(ours, ref, atol=1e-4)
 
 
+def test_inference_position_table_equals_the_training_path_and_follows_weight_updates():
+    """At inference the position term is looked up from a per-weights table; it must equal the path
+    training differentiates, and a weight update must not leave a stale table behind."""
+    agents = _perturbed(KVPAgents(KVPAgentConfig(num_layers=2, num_kv_heads=2, head_dim=16)))
+    k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    pos = torch.arange(3, 23)[None]
+    mod, rc = torch.full((1, 20), TEXT), torch.full((1, 20, 3), -1)
+    with torch.no_grad():
+        looked_up = agents.score_layer(1, k, v, pos, mod, rc)
+    trained = agents.score_layer(1, k, v, pos, mod, rc)  # grad enabled: the differentiable path
+    assert trained.requires_grad
+    torch.testing.assert_close(looked_up, trained.detach(), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        agents.pos_emb.add_(torch.randn_like(agents.pos_emb))  # an optimiser step, in place
+        after = agents.score_layer(1, k, v, pos, mod, rc)
+    torch.testing.assert_close(
+        after, agents.score_layer(1, k, v, pos, mod, rc).detach(), atol=1e-5, rtol=1e-5
+    )
+    assert not torch.allclose(after, looked_up)
+
+
 def test_modality_and_grid_features_change_scores_only_when_enabled():
     k, v = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
     pos = torch.arange(10)[None]

@@ -284,10 +284,10 @@ class KVPAgents(nn.Module):
         p = positions.long().clamp(0, self.config.pos_table - 1)
         if p.dim() == 1:
             p = p[None].expand(A, M)
-        table = self.pos_emb[w]  # (A, P, Ep)
-        ep = torch.gather(table, 1, p[..., None].expand(A, M, table.shape[-1]))
-        ep = _ln(ep, self.lnp_w[w], self.lnp_b[w])
-        z = torch.baddbmm(self.b1[w][:, None], torch.cat([ek, ev, ep], dim=-1), self.w1[w])
+        E2 = 2 * self.config.proj
+        w1 = self.w1[w]
+        z = torch.baddbmm(self.b1[w][:, None], torch.cat([ek, ev], dim=-1), w1[:, :E2])
+        z = z + self._position_term(w, p, w1)
         if self.use_extra:
             assert extra is not None
             if extra.dim() == 2:
@@ -298,6 +298,24 @@ class KVPAgents(nn.Module):
             z = z + torch.bmm(ex, self.w1x[w])
         h = F.silu(_ln(z, self.ln1_w[w], self.ln1_b[w]))
         return (torch.bmm(h, self.w2[w][..., None]).squeeze(-1) + self.b2[w][:, None]).float()
+
+    def _position_term(self, w: torch.Tensor, p: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+        """LN_p(pos_emb[p]) @ w1_p per agent: (A, M, F). Positions are a table lookup, so at inference the term
+        of every (agent, position) is computed once per weights and looked up."""
+        E2 = 2 * self.config.proj
+        A, M = p.shape
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (self.pos_emb, self.lnp_w, self.w1)):
+            ep = torch.gather(self.pos_emb[w], 1, p[..., None].expand(A, M, self.pos_emb.shape[-1]))
+            return torch.bmm(_ln(ep, self.lnp_w[w], self.lnp_b[w]), w1[:, E2:])
+        params = (self.pos_emb, self.lnp_w, self.lnp_b, self.w1)
+        key = tuple((t._version, t.data_ptr(), t.dtype) for t in params)
+        cached = getattr(self, "_pos_terms", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                table = torch.bmm(_ln(self.pos_emb, self.lnp_w, self.lnp_b), self.w1[:, E2:])  # (S, P, F)
+            cached = self._pos_terms = (key, table.reshape(-1, table.shape[-1]))
+        rows = w[:, None] * self.config.pos_table + p  # (A, M) into the flattened (S * P, F) table
+        return cached[1].index_select(0, rows.reshape(-1)).view(A, M, -1)
 
     def layer_weights(self, layer_idx: int) -> Any:
         """The agents of one layer as the kernels' `KVPWeights` (agents without extra features only)."""
