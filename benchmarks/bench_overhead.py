@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "quest": make_retrieval("quest"),
         "locks": make_retrieval("locks"),
         "oval": make_retrieval("oval"),
+        "oval r=2": make_retrieval("oval", rank=2),
         "router": RouterRetrieval(router=router.to(device).eval()),
     }
     summaries = {name: pol.summarize(pages) for name, pol in retrieval.items()}
@@ -214,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         "prefill layer": lambda: layer(x, position_embeddings=pe),
         **{name: (lambda a=a: a.score_layer(0, kf, vf, pos, mod, rc)) for name, a in agents.items()},
         "decode layer": decode_step,
-        **{f"{name} page choice": (lambda n=name: select(n)) for name in ("quest", "locks", "oval")},
+        **{
+            f"{name} page choice": (lambda n=name: select(n))
+            for name in ("quest", "locks", "oval", "oval r=2")
+        },
         "router page choice (a step of 32 layers)": router_step,
     }
     for fn in jobs.values():  # warm up
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in agents:
         rows.append(("prefill", name, med[name], med["prefill layer"]))
-    for name in ("quest", "locks", "oval", "router"):
+    for name in ("quest", "locks", "oval", "oval r=2", "router"):
         key = f"{name} page choice" + (" (per layer)" if name == "router" else "")
         rows.append(("decode", name, med[key], med["decode layer"]))
     title = (
