@@ -67,7 +67,8 @@ def test_init_from_continues_another_runs_weights_with_a_fresh_schedule(tmp_path
     first = Trainer(tmp_path / "a", cfg)
     first.run()
     cfg2 = TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "a" / "train_state.ckpt.pt"),
-                          "letter_teacher": True, "steps": 1})  # fmt: skip
+                          "letter_teacher": True, "readout_weight": 1.0, "mmbench_fraction": 1.0,
+                          "steps": 1})  # fmt: skip
     second = Trainer(tmp_path / "b", cfg2)
     second.run()
     log = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
@@ -75,3 +76,20 @@ def test_init_from_continues_another_runs_weights_with_a_fresh_schedule(tmp_path
     assert not any(r.get("stage") == "vision" for r in log)  # no vision / projector stage again
     state = torch.load(tmp_path / "b" / "train_state.ckpt.pt", weights_only=False)
     assert state["step"] == 1
+
+
+def test_readout_loss_reads_the_letter_from_one_heads_contribution():
+    cfg = TrainConfig(images_per_batch=1, questions_per_image=3, mmbench_fraction=1.0, readout_weight=1.0)
+    t = Trainer("/tmp/unused", cfg)
+    from mm_oval.zoo.train import make_batch
+
+    batch = make_batch([t.sampler.item(0, 3)], t.enc)
+    attn = t.model.model.language_model.layers[2].self_attn
+    x = torch.zeros(*batch.input_ids.shape, attn.o_proj.in_features, requires_grad=True)
+    loss = t.readout_loss(x, batch)
+    loss.backward()
+    # only head 0's slice at the answer positions gets a gradient
+    grad = x.grad.abs().sum(-1)
+    b, a = batch.answer_rows[:, 0], batch.answer_rows[:, 1]
+    assert float(grad[b, a].min()) > 0 and float(grad.sum()) == float(grad[b, a].sum())
+    assert float(x.grad[..., attn.head_dim :].abs().sum()) == 0.0

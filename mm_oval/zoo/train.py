@@ -78,6 +78,10 @@ class TrainConfig:
     # start from another run's train_state.ckpt.pt (weights and optimiser moments; new schedule, no
     # vision/projector stage): continue a finished run with a new schedule or objective
     init_from: str = ""
+    # the multiple-choice read-out: layer 2 head 0 (taught to attend to the right option) must itself carry
+    # the option's letter to the output; weight of the cross-entropy of its contribution alone read out
+    # through the final norm and LM head, on multiple-choice answers (0: off)
+    readout_weight: float = 0.0
 
     def validate(self) -> None:
         if self.steps < 1 or self.images_per_batch < 1 or self.questions_per_image < 1:
@@ -551,6 +555,18 @@ class Trainer:
             terms.append(F.cross_entropy(logits, gold))
         return torch.stack(terms).mean() if terms else torch.zeros(())
 
+    def readout_loss(self, o_proj_input: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Cross-entropy of the letter read from layer 2 head 0's contribution alone (its slice of o_proj),
+        through the final norm and the LM head, at the multiple-choice answer positions."""
+        lm = self.model.model.language_model
+        attn = lm.layers[2].self_attn
+        hd = attn.head_dim
+        rows = batch.answer_rows[torch.tensor(batch.mmbench)]
+        b, a = rows[:, 0], rows[:, 1]
+        contrib = o_proj_input[b, a, :hd] @ attn.o_proj.weight[:, :hd].T  # (N, hidden)
+        logits = self.model.lm_head(lm.norm(contrib))
+        return F.cross_entropy(logits, batch.labels[b, a])
+
     # -- main --------------------------------------------------------------------------------------
     def run(self) -> Path:
         cfg, model = self.cfg, self.model
@@ -608,12 +624,21 @@ class Trainer:
             ]
             batch = make_batch(items, self.enc, letter_teacher=cfg.letter_teacher)
             teach_on = cfg.attn_weight > 0 and step < cfg.attn_until * cfg.steps
+            head_in: dict = {}
+            hook = None
+            if cfg.readout_weight > 0 and any(batch.mmbench):
+                o_proj = model.model.language_model.layers[2].self_attn.o_proj
+                hook = o_proj.register_forward_pre_hook(lambda m, a, box=head_in: box.__setitem__("x", a[0]))
             out = self._forward(batch, want_attn=teach_on, want_hidden=cfg.exit_weight > 0)
+            if hook is not None:
+                hook.remove()
             logits = out.logits
             lm = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=-100)
             loss = lm
             if cfg.exit_weight > 0:
                 loss = loss + cfg.exit_weight * self.exit_loss(out.hidden_states, batch)
+            if "x" in head_in:
+                loss = loss + cfg.readout_weight * self.readout_loss(head_in["x"], batch)
             if teach_on:
                 att = teacher_loss(out.attentions, batch.teach)
                 loss = loss + cfg.attn_weight * att
