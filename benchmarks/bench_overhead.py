@@ -174,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     # decode: the prompt cached, one new token
     cache = DynamicCache()
     layer(x, position_embeddings=pe, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == N, "the decode step must read the cached prompt"
     x1 = torch.randn(1, 1, s["hidden"], generator=g).to(device=device, dtype=dtype) * 0.5
     pe1 = rope(x1, torch.tensor([[N]], device=device))
 
     def decode_step():
         layer(x1, position_embeddings=pe1, cache=cache, use_cache=True)
+        assert cache.get_seq_length() == N + 1
         cache.crop(-1)  # drop the new token again
 
     embeds = x.float()
