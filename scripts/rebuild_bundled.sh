@@ -29,6 +29,8 @@ cp "$OUT"/kvp/kvp_agents.safetensors "$OUT"/kvp/kvp_config.json mm_oval/zoo/tiny
 rm -rf "$OUT/kvp_joint" && mkdir -p "$OUT/kvp_joint" && cp -r "$OUT/kvp/traces" "$OUT/kvp_joint/"
 "$BIN/mm-oval" train-kvp --model bundled --data zoo:train:1500 --heldout-samples 200 --out "$OUT/kvp_joint" \
     --steps 600 --proj 32 --hidden 32 --joint-heads
+mkdir -p mm_oval/zoo/tiny_llava_kvp_joint
+cp "$OUT"/kvp_joint/kvp_agents.safetensors "$OUT"/kvp_joint/kvp_config.json mm_oval/zoo/tiny_llava_kvp_joint/
 "$BIN/mm-oval" train-router --out mm_oval/policies/router_tiny --threads 1 --data zoo:256 --val zoo:64 --epochs 20
 
 # 3. full-cache scores and grounding
@@ -41,7 +43,7 @@ done
 # 4. every method against the image-KV budget, question-agnostic setting (image compressed before the
 #    question is read; 3 sinks and no recent window, so all 64 image tokens are a real choice)
 O=sink_tokens=3,recent_tokens=0
-METHODS=(kvp:$O kvp:$O,head_budget=shared,agents=$OUT/kvp_joint oval:$O quest:$O router:$O keydiff:$O fastv:$O h2o:$O tova:$O
+METHODS=(kvp:$O kvp:$O,head_budget=shared,agents=bundled-joint oval:$O quest:$O router:$O keydiff:$O fastv:$O h2o:$O tova:$O
          snapkv:$O streamingllm:$O random:$O knorm:$O)
 for task in vqav2 mmbench; do
     OMP_NUM_THREADS=1 "$BIN/mm-oval" sweep --model bundled --task "$task" --data bundled --compress image \

@@ -36,6 +36,9 @@ def bundled():
 def test_bundled_agents_load_for_the_bundled_model(bundled):
     model, _ = bundled
     KVPPolicy(model=model)  # raises ModelError if the agents were trained for other weights
+    # the joint-heads agents (for the shared head budget) by name, for the same weights
+    joint = KVPPolicy(agents="bundled-joint", model=model)
+    assert joint.agents.config.joint_heads and not KVPPolicy().agents.config.joint_heads
 
 
 def test_bundled_agents_beat_attention_free_baselines_on_heldout_traces(bundled, tmp_path):

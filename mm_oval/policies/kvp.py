@@ -461,9 +461,15 @@ def check_signature(trained_for: dict, actual: dict, source: str = "") -> None:
         )
 
 
-def bundled_agents_path() -> Path:
-    """The agents trained for the bundled tiny LLaVA (package data)."""
-    return Path(str(resources.files("mm_oval.zoo").joinpath("tiny_llava_kvp")))
+def bundled_agents_path(joint_heads: bool = False) -> Path:
+    """The agents trained for the bundled tiny LLaVA (package data): per-head rankings (the default), or
+    with `joint_heads` one ranking over each layer's heads, for `head_budget="shared"`."""
+    name = "tiny_llava_kvp_joint" if joint_heads else "tiny_llava_kvp"
+    return Path(str(resources.files("mm_oval.zoo").joinpath(name)))
+
+
+# names `agents` may take instead of a directory
+BUNDLED_AGENTS = {"bundled": False, "bundled-joint": True}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -473,8 +479,9 @@ def bundled_agents_path() -> Path:
 
 @register_eviction
 class KVPPolicy(EvictionPolicy):
-    """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`);
-    default: the agents trained for the bundled tiny LLaVA. `model`, when given, is checked against
+    """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`), or
+    "bundled" (the default: the agents trained for the bundled tiny LLaVA) or "bundled-joint" (its
+    joint-heads agents, for `head_budget="shared"`). `model`, when given, is checked against
     the agents' recorded shape and fingerprint at once; otherwise each layer is checked on first use
     (shape from the keys, fingerprint from the layer's k_proj / v_proj).
 
@@ -497,7 +504,10 @@ class KVPPolicy(EvictionPolicy):
         elif isinstance(agents, LoadedAgents):
             loaded = agents
         else:
-            path = Path(agents) if agents is not None else bundled_agents_path()
+            if agents is None or agents in BUNDLED_AGENTS:
+                path = bundled_agents_path(BUNDLED_AGENTS.get(agents or "bundled", False))
+            else:
+                path = Path(agents)
             loaded = load_agents(path)
         self.loaded = loaded
         self.agents = loaded.agents.eval()
