@@ -93,3 +93,23 @@ def test_readout_loss_reads_the_letter_from_one_heads_contribution():
     b, a = batch.answer_rows[:, 0], batch.answer_rows[:, 1]
     assert float(grad[b, a].min()) > 0 and float(grad.sum()) == float(grad[b, a].sum())
     assert float(x.grad[..., attn.head_dim :].abs().sum()) == 0.0
+
+
+def test_type_weights_oversample_a_question_type_and_reject_unknown_types():
+    import pytest
+
+    from mm_oval.errors import ConfigError
+    from mm_oval.zoo.train import parse_type_weights
+
+    def share(sampler):
+        qs = [q for i in range(40) for q in sampler.item(i, 8).questions]
+        return sum(q.qtype == "color of shape" for q in qs) / len(qs)
+
+    base = TrainSampler(0, mmbench_fraction=0.0)
+    more = TrainSampler(0, mmbench_fraction=0.0, type_weights=parse_type_weights("color of shape=6"))
+    assert share(more) > 2 * share(base)
+    assert parse_type_weights("") is None
+    with pytest.raises(ConfigError, match="unknown types"):
+        TrainSampler(0, type_weights={"colour of shape": 2.0})
+    with pytest.raises(ConfigError, match="type=weight"):
+        parse_type_weights("color of shape")

@@ -560,9 +560,24 @@ class TrainSampler:
     """Draws training scenes with many questions each (VQA-style and MMBench-style, balanced yes/no).
     Seeded: the same (seed, index) gives the same item."""
 
-    def __init__(self, seed: int, min_objects: int = 3, max_objects: int = 8, mmbench_fraction: float = 0.3):
+    def __init__(
+        self,
+        seed: int,
+        min_objects: int = 3,
+        max_objects: int = 8,
+        mmbench_fraction: float = 0.3,
+        type_weights: dict[str, float] | None = None,
+    ):
         if not 0.0 <= mmbench_fraction <= 1.0:
             raise ConfigError(f"mmbench_fraction must be in [0, 1], got {mmbench_fraction}")
+        kinds = [*VQA_TYPES, EXISTS, HINT_LOOKUP]
+        unknown = set(type_weights or {}) - set(kinds)
+        if unknown or any(w < 0 for w in (type_weights or {}).values()):
+            raise ConfigError(
+                f"type_weights: unknown types {sorted(unknown)} or negative weights; types: {kinds}"
+            )
+        # None keeps the uniform draw (and its random stream); otherwise relative weights, default 1
+        self.type_weights = [float((type_weights or {}).get(k, 1.0)) for k in kinds] if type_weights else None
         make_scene(random.Random(0), min_objects, max_objects)  # validates the counts
         self.seed, self.min_objects, self.max_objects = seed, min_objects, max_objects
         self.mmbench_fraction = mmbench_fraction
@@ -574,7 +589,11 @@ class TrainSampler:
         tries = 0
         while len(questions) < n_questions and tries < 20 * n_questions:
             tries += 1
-            qtype = rng.choice([*VQA_TYPES, EXISTS, HINT_LOOKUP])
+            kinds = [*VQA_TYPES, EXISTS, HINT_LOOKUP]
+            if self.type_weights is None:
+                qtype = rng.choice(kinds)
+            else:
+                qtype = rng.choices(kinds, weights=self.type_weights)[0]
             if qtype == HINT_LOOKUP and rng.random() > self.mmbench_fraction:
                 continue
             if qtype == EXISTS:

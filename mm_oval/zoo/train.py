@@ -82,6 +82,8 @@ class TrainConfig:
     # the option's letter to the output; weight of the cross-entropy of its contribution alone read out
     # through the final norm and LM head, on multiple-choice answers (0: off)
     readout_weight: float = 0.0
+    # oversample question types in training: "type=weight,..." relative to 1 (e.g. "color of shape=3")
+    type_weights: str = ""
 
     def validate(self) -> None:
         if self.steps < 1 or self.images_per_batch < 1 or self.questions_per_image < 1:
@@ -267,6 +269,22 @@ def make_batch(items, enc: Encoder, n_image_tokens: int = GRID * GRID, letter_te
     )
 
 
+def parse_type_weights(text: str) -> dict[str, float] | None:
+    """ "color of shape=3,exists=0.5" -> {"color of shape": 3.0, "exists": 0.5}; "" -> None."""
+    if not text.strip():
+        return None
+    out = {}
+    for item in text.split(","):
+        name, eq, w = item.partition("=")
+        try:
+            out[name.strip()] = float(w)
+        except ValueError:
+            raise ConfigError(f"type_weights: write 'type=weight,...', got {item!r}") from None
+        if not eq:
+            raise ConfigError(f"type_weights: write 'type=weight,...', got {item!r}")
+    return out
+
+
 def enc_prefix_pos(P: int, n_image_tokens: int, row: int, col: int) -> int:
     """Sequence position of the image token of cell (row, col): the image tokens end the prefix."""
     return P - n_image_tokens + row * GRID + col
@@ -343,7 +361,9 @@ class Trainer:
         )
         self.enc = Encoder(self.processor.tokenizer)
         self.probe = PatchProbe(self.model.config.vision_config.hidden_size)
-        self.sampler = TrainSampler(cfg.seed, mmbench_fraction=cfg.mmbench_fraction)
+        self.sampler = TrainSampler(
+            cfg.seed, mmbench_fraction=cfg.mmbench_fraction, type_weights=parse_type_weights(cfg.type_weights)
+        )
         self.heldout = TrainSampler(cfg.seed + 10_000, mmbench_fraction=0.5)
         self.ckpt_path = self.out / "train_state.ckpt.pt"
         self.retrieval_fitted = False
