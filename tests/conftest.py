@@ -17,3 +17,23 @@ def tiny_random_llava():
     from mm_oval.zoo.model import build_tiny_llava
 
     return build_tiny_llava(seed=0)
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny models' ops are small: one intra-op thread is fastest, and far faster on a loaded machine.
+    Modules use it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_random_llava_dir(tiny_random_llava, tmp_path_factory):
+    """The random tiny LLaVA saved with save_pretrained, for code that loads a model from a path."""
+    model, processor = tiny_random_llava
+    path = tmp_path_factory.mktemp("tiny_llava")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

@@ -30,15 +30,6 @@ def image_path(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_random_llava, tmp_path_factory) -> Path:
-    model, processor = tiny_random_llava
-    path = tmp_path_factory.mktemp("tiny_llava")
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
-
-
 def _harness(model, processor, image, spec, budget, questions, max_new):
     from mm_oval.eval.runner import apply_method, generate_conversation, remove_method
     from mm_oval.eval.tasks import Item
@@ -204,9 +195,9 @@ def test_a_failed_turn_starts_the_conversation_over(tiny_random_llava):
 # ---------------------------------------------------------------------------------------- the command
 
 
-def test_command_one_shot_prompts_with_stats(tiny_random_llava, model_dir, image_path, capsys):
+def test_command_one_shot_prompts_with_stats(tiny_random_llava, tiny_random_llava_dir, image_path, capsys):
     model, processor = tiny_random_llava
-    argv = ["chat", "--model", str(model_dir), "--image", str(image_path), "--method", "snapkv"]
+    argv = ["chat", "--model", str(tiny_random_llava_dir), "--image", str(image_path), "--method", "snapkv"]
     argv += ["--budget", "0.25", "--max-new-tokens", "4", "--stats"]
     rc = main([*argv, "--prompt", QUESTIONS[0], "--prompt", QUESTIONS[1]])
     out = capsys.readouterr().out.splitlines()
@@ -219,14 +210,16 @@ def test_command_one_shot_prompts_with_stats(tiny_random_llava, model_dir, image
     assert any("layer 0: image tokens kept 16/64" in line for line in stats)
 
 
-def test_command_reads_questions_from_stdin(tiny_random_llava, model_dir, image_path):
+def test_command_reads_questions_from_stdin(tiny_random_llava, tiny_random_llava_dir, image_path):
     import argparse
 
     from mm_oval.chat import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", str(model_dir), "--image", str(image_path), "--max-new-tokens", "3"])
+    args = parser.parse_args(
+        ["--model", str(tiny_random_llava_dir), "--image", str(image_path), "--max-new-tokens", "3"]
+    )
     stdin = io.StringIO(
         f"{QUESTIONS[0]}\n\n/stats\n{QUESTIONS[1]}\n/reset\n{QUESTIONS[0]}\n/bogus\n/quit\nnever\n"
     )
@@ -243,10 +236,32 @@ def test_command_reads_questions_from_stdin(tiny_random_llava, model_dir, image_
     assert any(x.startswith("unknown command /bogus") for x in lines)
 
 
-def test_command_errors_name_what_to_fix(model_dir, tmp_path, capsys):
-    rc = main(["chat", "--model", str(model_dir), "--image", str(tmp_path / "missing.png"), "--prompt", "hi"])
+def test_command_errors_name_what_to_fix(tiny_random_llava_dir, tmp_path, capsys):
+    rc = main(
+        [
+            "chat",
+            "--model",
+            str(tiny_random_llava_dir),
+            "--image",
+            str(tmp_path / "missing.png"),
+            "--prompt",
+            "hi",
+        ]
+    )
     assert rc == 2 and "missing.png" in capsys.readouterr().err
-    rc = main(["chat", "--model", str(model_dir), "--method", "snapkv", "--budget", "lots", "--prompt", "hi"])
+    rc = main(
+        [
+            "chat",
+            "--model",
+            str(tiny_random_llava_dir),
+            "--method",
+            "snapkv",
+            "--budget",
+            "lots",
+            "--prompt",
+            "hi",
+        ]
+    )
     assert rc == 2 and "budget" in capsys.readouterr().err
     rc = main(["chat", "--model", str(tmp_path), "--prompt", "hi"])
     assert rc == 2 and str(tmp_path) in capsys.readouterr().err

@@ -30,14 +30,7 @@ from mm_oval.training.kvp import (
 )
 from mm_oval.training.traces import capture_sample, capture_traces, iter_traces, load_samples, toy_samples
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many tiny ops: one thread is faster than two on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------

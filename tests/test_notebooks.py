@@ -101,16 +101,7 @@ def test_what_the_cache_kept_notebook_on_the_bundled_model():
     check_kept_notebook(nb, ["snapkv", "kvp"], _n_layers(bundled_model_path()))
 
 
-@pytest.fixture(scope="module")
-def random_model_dir(tiny_random_llava, tmp_path_factory) -> Path:
-    model, processor = tiny_random_llava
-    path = tmp_path_factory.mktemp("tiny_llava")
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
-
-
-def test_notebooks_run_on_any_llava_path(random_model_dir, tmp_path):
+def test_notebooks_run_on_any_llava_path(tiny_random_llava_dir, tmp_path):
     """The parameters cell points the notebooks at another model, image and questions (KVP agents belong to
     the bundled model, so the random model compares SnapKV with TOVA); the chat is one conversation."""
     from PIL import Image
@@ -119,7 +110,7 @@ def test_notebooks_run_on_any_llava_path(random_model_dir, tmp_path):
     Image.new("RGB", (160, 128), "navy").save(image)
     run = _executor().execute
     methods = {"full cache": ("full", None), "SnapKV 25%": ("snapkv", 0.25)}
-    common = {"MODEL": repr(str(random_model_dir)), "IMAGE": repr(str(image)), "MAX_NEW_TOKENS": "3"}
+    common = {"MODEL": repr(str(tiny_random_llava_dir)), "IMAGE": repr(str(image)), "MAX_NEW_TOKENS": "3"}
     questions = ["what color is the square ?", "how many objects are there ?"]
     nb = run(
         EXAMPLES / "chat_with_image.ipynb",
@@ -131,4 +122,4 @@ def test_notebooks_run_on_any_llava_path(random_model_dir, tmp_path):
         EXAMPLES / "what_the_cache_kept.ipynb",
         {**common, "QUESTION": repr(question), "EVICTION": repr(["snapkv", "tova"])},
     )
-    check_kept_notebook(nb, ["snapkv", "tova"], _n_layers(random_model_dir))
+    check_kept_notebook(nb, ["snapkv", "tova"], _n_layers(tiny_random_llava_dir))

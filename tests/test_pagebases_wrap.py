@@ -9,14 +9,7 @@ import mm_oval
 from mm_oval.config import OvalConfig
 from mm_oval.stats import get_stats
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model's ops are small: one intra-op thread is fastest, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(processor):

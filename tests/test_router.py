@@ -26,14 +26,7 @@ from mm_oval.training.router import (
     train_router,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These ops are tiny: one intra-op thread is fastest, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _router(**kw):

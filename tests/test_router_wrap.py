@@ -11,13 +11,7 @@ from mm_oval.config import OvalConfig
 from mm_oval.errors import ConfigError, ModelError
 from mm_oval.stats import get_stats
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(processor):
