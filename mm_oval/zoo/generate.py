@@ -61,6 +61,8 @@ COLOR_AT = "color at position"
 EXISTS = "exists"
 HINT_LOOKUP = "hint lookup"
 VQA_TYPES = (COLOR_OF_SHAPE, SHAPE_OF_COLOR, COUNT, COLOR_AT, EXISTS)
+# the training draw: every VQA type, exists once more (balanced yes/no items), and hint lookups
+TRAIN_KINDS = (*VQA_TYPES, EXISTS, HINT_LOOKUP)
 ANSWER_TYPE = {
     COLOR_OF_SHAPE: "other",
     SHAPE_OF_COLOR: "other",
@@ -570,14 +572,13 @@ class TrainSampler:
     ):
         if not 0.0 <= mmbench_fraction <= 1.0:
             raise ConfigError(f"mmbench_fraction must be in [0, 1], got {mmbench_fraction}")
-        kinds = [*VQA_TYPES, EXISTS, HINT_LOOKUP]
-        unknown = set(type_weights or {}) - set(kinds)
+        unknown = set(type_weights or {}) - set(TRAIN_KINDS)
         if unknown or any(w < 0 for w in (type_weights or {}).values()):
             raise ConfigError(
-                f"type_weights: unknown types {sorted(unknown)} or negative weights; types: {kinds}"
+                f"type_weights: unknown types {sorted(unknown)} or negative weights; types: {list(TRAIN_KINDS)}"
             )
         # None keeps the uniform draw (and its random stream); otherwise relative weights, default 1
-        self.type_weights = [float((type_weights or {}).get(k, 1.0)) for k in kinds] if type_weights else None
+        self.type_weights = [float(type_weights.get(k, 1.0)) for k in TRAIN_KINDS] if type_weights else None
         make_scene(random.Random(0), min_objects, max_objects)  # validates the counts
         self.seed, self.min_objects, self.max_objects = seed, min_objects, max_objects
         self.mmbench_fraction = mmbench_fraction
@@ -589,11 +590,10 @@ class TrainSampler:
         tries = 0
         while len(questions) < n_questions and tries < 20 * n_questions:
             tries += 1
-            kinds = [*VQA_TYPES, EXISTS, HINT_LOOKUP]
             if self.type_weights is None:
-                qtype = rng.choice(kinds)
+                qtype = rng.choice(TRAIN_KINDS)
             else:
-                qtype = rng.choices(kinds, weights=self.type_weights)[0]
+                qtype = rng.choices(TRAIN_KINDS, weights=self.type_weights)[0]
             if qtype == HINT_LOOKUP and rng.random() > self.mmbench_fraction:
                 continue
             if qtype == EXISTS:

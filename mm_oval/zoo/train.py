@@ -275,13 +275,11 @@ def parse_type_weights(text: str) -> dict[str, float] | None:
         return None
     out = {}
     for item in text.split(","):
-        name, eq, w = item.partition("=")
+        name, _, w = item.partition("=")
         try:
-            out[name.strip()] = float(w)
+            out[name.strip()] = float(w)  # no "=": w is "" and fails here
         except ValueError:
             raise ConfigError(f"type_weights: write 'type=weight,...', got {item!r}") from None
-        if not eq:
-            raise ConfigError(f"type_weights: write 'type=weight,...', got {item!r}")
     return out
 
 
@@ -600,22 +598,16 @@ class Trainer:
         )  # fmt: skip
         step, elapsed = 0, 0.0
         if self.ckpt_path.exists():
-            state = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+            state = self._load_state(self.ckpt_path, opt)
             if state["config"] != asdict(cfg) | {"steps": state["config"]["steps"]}:
                 log.warning("resuming with a changed config: %s -> %s", state["config"], asdict(cfg))
-            model.load_state_dict(state["model"])
-            self.probe.load_state_dict(state["probe"])
-            opt.load_state_dict(state["opt"])
             step, elapsed = state["step"], state["elapsed"]
             self.retrieval_fitted = state.get("retrieval_fitted", False)
             log.info("resumed from %s at step %d", self.ckpt_path, step)
         elif cfg.init_from:
-            state = torch.load(cfg.init_from, map_location="cpu", weights_only=False)
-            model.load_state_dict(state["model"])
-            self.probe.load_state_dict(state["probe"])
             # Adam's moments too: a fresh optimiser's first updates are full-size in every direction and
             # undo much of what the run learned (measured: held-out 0.55 -> 0.35 in 100 steps at lr 7e-4)
-            opt.load_state_dict(state["opt"])
+            state = self._load_state(cfg.init_from, opt)
             self._log({"stage": "init", "from": str(cfg.init_from), "from_step": state["step"]})
             log.info("initialised from %s (its step %d: weights and optimiser moments); new schedule",
                      cfg.init_from, state["step"])  # fmt: skip
@@ -685,6 +677,14 @@ class Trainer:
                 self._save_state(opt, step, time.time() - t_start)
                 last_ckpt = time.time()
         return self.export(self.out / "model")
+
+    def _load_state(self, path: str | Path, opt) -> dict:
+        """Load a train_state.ckpt.pt's model, probe and optimiser state; return the whole state."""
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.probe.load_state_dict(state["probe"])
+        opt.load_state_dict(state["opt"])
+        return state
 
     def _save_state(self, opt, step: int, elapsed: float) -> None:
         state = {
