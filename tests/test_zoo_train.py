@@ -113,3 +113,13 @@ def test_type_weights_oversample_a_question_type_and_reject_unknown_types():
         TrainSampler(0, type_weights={"colour of shape": 2.0})
     with pytest.raises(ConfigError, match="type=weight"):
         parse_type_weights("color of shape")
+
+
+def test_circuit_recipe_smoke_exports_a_plain_llava(tmp_path):
+    """--circuit: vision stage on the patch code, closed-form projector and language model, no LM steps."""
+    cfg = TrainConfig(circuit=True, steps=0, vision_steps=2, vision_batch=2, eval_items=1, questions_per_image=4)
+    out = Trainer(tmp_path, cfg).run()
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert "code_fit" in log[0] and "heldout" in log[-1]
+    model = LlavaForConditionalGeneration.from_pretrained(out)
+    assert model.config.text_config.head_dim == 64

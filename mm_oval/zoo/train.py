@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from . import circuit
 from .generate import COLORS, GRID, LETTERS, MMB_SUFFIX, SHAPES, VQA_SUFFIX, Question, TrainSampler
 from .model import TinyLlavaSizes, build_tiny_llava
 
@@ -84,10 +85,26 @@ class TrainConfig:
     readout_weight: float = 0.0
     # oversample question types in training: "type=weight,..." relative to 1 (e.g. "color of shape=3")
     type_weights: str = ""
+    # the closed-form recipe (mm_oval/zoo/circuit.py): the vision stage regresses each patch's one-hot
+    # colour / shape / row / column code (position embeddings start from a row / column code), then the
+    # projector and the language model are written in closed form; `steps` more steps of the language
+    # loss may follow (0: none; the attention teacher and the other auxiliary losses must be off)
+    circuit: bool = False
 
     def validate(self) -> None:
-        if self.steps < 1 or self.images_per_batch < 1 or self.questions_per_image < 1:
-            raise ConfigError("steps, images_per_batch and questions_per_image must be >= 1")
+        min_steps = 0 if self.circuit else 1
+        if self.steps < min_steps or self.images_per_batch < 1 or self.questions_per_image < 1:
+            raise ConfigError(f"steps must be >= {min_steps}, images_per_batch and questions_per_image >= 1")
+        if self.circuit and self.steps > 0:
+            on = [n for n, v in (("--attn-weight", self.attn_weight), ("--exit-weight", self.exit_weight),
+                                 ("--readout-weight", self.readout_weight)) if v > 0]  # fmt: skip
+            on += ["--letter-teacher"] * self.letter_teacher + ["--init-from"] * bool(self.init_from)
+            on += ["--retrieval-fit-step"] * (self.retrieval_fit_step >= 0)
+            if on:
+                raise ConfigError(
+                    f"--circuit writes its own attention roles; training after it takes the language loss "
+                    f"only: turn off {', '.join(on)} (e.g. --attn-weight 0)"
+                )
         if not 0 < self.lr < 1:
             raise ConfigError(f"lr must be in (0, 1), got {self.lr}")
         if self.vision_steps < 0 or self.warmup < 0:
@@ -96,6 +113,19 @@ class TrainConfig:
 
 # ------------------------------------------------------------------------------------------------
 # batches
+
+
+def init_position_code(tower) -> None:
+    """Start the tower's position embeddings from a row / column code (dimensions 0-7: row, 8-15: column,
+    which the patch embedding then leaves free), so the patch feature knows its cell from the first step."""
+    emb = tower.embeddings
+    with torch.no_grad():
+        pe = emb.position_embedding.weight
+        pe.zero_()
+        for p in range(GRID * GRID):
+            pe[1 + p, p // GRID] = 3.0
+            pe[1 + p, GRID + p % GRID] = 3.0
+        emb.patch_embedding.weight[: 2 * GRID] = 0.0
 
 
 def pixel_values(images: list) -> torch.Tensor:
@@ -369,6 +399,8 @@ class Trainer:
 
     # -- vision stage ----------------------------------------------------------------------------
     def vision_stage(self) -> dict:
+        if self.cfg.circuit:
+            return self.vision_code_stage()
         cfg, model = self.cfg, self.model
         params = list(model.model.vision_tower.parameters()) + list(self.probe.parameters())
         opt = torch.optim.AdamW(params, lr=cfg.vision_lr, weight_decay=0.0)
@@ -389,6 +421,51 @@ class Trainer:
                 log.info("vision %d/%d loss %.3f acc colour/shape/row/col %s", step, cfg.vision_steps, loss.item(),
                          " ".join(f"{a:.3f}" for a in accs))  # fmt: skip
         return {"vision_loss": float(loss.detach()), "vision_acc": accs} if cfg.vision_steps else {}
+
+    def vision_code_stage(self) -> dict:
+        """The closed-form recipe's vision stage: the tower learns a patch feature from which a linear map
+        gives the one-hot code of the cell's colour, shape, row and column (mean squared error, cosine lr);
+        the projector then reads that code (circuit.set_projector)."""
+        cfg, model = self.cfg, self.model
+        init_position_code(model.model.vision_tower)
+        dim = model.config.vision_config.hidden_size
+        head = nn.Linear(dim, circuit.CODE_SIZE)
+        params = list(model.model.vision_tower.parameters()) + list(head.parameters())
+        opt = torch.optim.AdamW(params, lr=cfg.vision_lr, weight_decay=0.0)
+        model.train()
+        loss = torch.zeros(())
+        for step in range(cfg.vision_steps):
+            for g in opt.param_groups:
+                g["lr"] = cfg.vision_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.vision_steps))
+            items = [
+                self.sampler.item(10_000_000 + step * cfg.vision_batch + i, 0)
+                for i in range(cfg.vision_batch)
+            ]
+            pix = pixel_values([it.image for it in items])
+            target = circuit.code_targets(torch.stack([patch_labels(it.scene) for it in items]))
+            loss = F.mse_loss(head(patch_features(model, pix)), target) * circuit.CODE_SIZE
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 100 == 0 or step == cfg.vision_steps - 1:
+                log.info("vision %d/%d code loss %.4f", step, cfg.vision_steps, loss.item())
+        return {"vision_code_loss": float(loss.detach())}
+
+    @torch.no_grad()
+    def circuit_stage(self) -> dict:
+        """Fit the code on fresh scenes by least squares, then write the projector and language model."""
+        model = self.model
+        model.eval()
+        feats, labels = [], []
+        for i in range(8):
+            items = [self.sampler.item(20_000_000 + i * 1000 + j, 0) for j in range(self.cfg.vision_batch)]
+            feats.append(patch_features(model, pixel_values([it.image for it in items])))
+            labels.append(torch.stack([patch_labels(it.scene) for it in items]))
+        code, report = circuit.projector_code(torch.cat(feats), torch.cat(labels))
+        log.info("patch code fit: %s", report)
+        circuit.set_projector(model, code)
+        circuit.set_language_model(model, self.processor.tokenizer)
+        return {"code_fit": report}
 
     # -- projector stage ---------------------------------------------------------------------------
     def projector_targets(self, labels: torch.Tensor) -> torch.Tensor:
@@ -616,10 +693,14 @@ class Trainer:
             torch.manual_seed(cfg.seed)
             t0 = time.time()
             info = self.vision_stage()
-            info.update(self.projector_stage())
+            info.update(self.circuit_stage() if cfg.circuit else self.projector_stage())
             elapsed = time.time() - t0
             self._log({"stage": "vision", "seconds": round(elapsed, 1), **info})
             self._save_state(opt, step, elapsed)
+            if cfg.steps == 0:
+                acc = self.evaluate()
+                log.info("held-out accuracy %s", acc)
+                self._log({"step": 0, "heldout": acc, "seconds": round(time.time() - t0, 1)})
         model.train()
         last_ckpt, t_start = time.time(), time.time() - elapsed
         run_loss = run_attn = 0.0
