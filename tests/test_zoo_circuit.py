@@ -53,6 +53,35 @@ def test_exact_patch_codes_answer_every_question_type_and_then_stop(circuit_llav
     assert len(seen) == 11  # five VQA types, six multiple-choice ones (with the hint lookups)
 
 
+def test_in_a_conversation_each_turn_answers_its_own_question(circuit_llava):
+    """Later turns follow earlier questions and answers; the latest question's keys and options must win."""
+    model, proc = circuit_llava
+    sampler = TrainSampler(8, mmbench_fraction=0.5)
+    box = {}
+    hook = model.model.multi_modal_projector.register_forward_hook(lambda m, a, out: box["emb"])
+    wrong, turns = [], 0
+    try:
+        for i in range(4):
+            item = sampler.item(i, 4)
+            box["emb"] = circuit.image_embeddings(patch_labels(item.scene)[None])
+            conv = []
+            for t, q in enumerate(item.questions):
+                content = [{"type": "text", "text": q.mmbench_prompt() if q.options else q.vqa_prompt()}]
+                conv.append({"role": "user", "content": ([{"type": "image"}] if t == 0 else []) + content})
+                prompt = proc.apply_chat_template(conv, add_generation_prompt=True)
+                enc = proc(images=[item.image], text=[prompt], return_tensors="pt")
+                with torch.no_grad():
+                    out = model.generate(**enc, max_new_tokens=3, do_sample=False)
+                answer = proc.tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                conv.append({"role": "assistant", "content": [{"type": "text", "text": answer.strip()}]})
+                turns += 1
+                if answer.strip() != q.answer:
+                    wrong.append((t, q.qtype, q.answer, answer))
+    finally:
+        hook.remove()
+    assert turns == 16 and not wrong, wrong
+
+
 def test_projector_turns_an_exact_code_into_the_image_tokens():
     model, _ = build_tiny_llava(seed=0, sizes=SIZES)
     sampler = TrainSampler(4)

@@ -1,6 +1,11 @@
 """Train the bundled tiny LLaVA from scratch on the synthetic train split (CPU or GPU, seeded, resumable).
 
-The recipe (see docs/zoo.md for why):
+Two recipes (docs/zoo.md). The bundled checkpoint comes from `--circuit`: the vision stage learns a
+linearly readable patch code (`vision_code_stage`), then the projector and the language model are written
+in closed form (`circuit.py`). The learned recipe below (the default) trains the language model by
+gradient descent; on 2 CPU cores it reached VQAv2 79.50 / MMBench circular 20.67 / POPE F1 94.43.
+
+The learned recipe:
 
 1. Vision stage: the CLIP tower alone learns, per patch, the colour, shape, row and column of its cell
    (linear probes on the patch features; seconds).
