@@ -10,9 +10,13 @@ Routed queries are the last prompt positions and every answer position. Pages ar
 (nothing evicted): 2x2 patch tiles for the image, 16-token text pages. Each method summarises the pages
 through its real policy class (`summarize`, `score_pages`); candidates are the image pages not pinned by
 sinks / the recent window (what a read budget applies to). Reported per method and budget, averaged over
-routed queries, layers and query heads:
+routed queries, layers and query heads that put more than 1e-4 of their attention on the candidate pages
+(a head that does not look at the image has no share to capture; it is left out for every method):
   image_mass  share of the exact attention mass on candidate pages that the selected pages hold;
-  top16_mass  share of the mass of the 16 highest-attention candidate tokens that the selected pages hold.
+  top16_mass  share of the mass of the 16 highest-attention candidate tokens that the selected pages hold
+              (tokens tied with the 16th count too: a head with an even spread has no "top 16");
+  focused_mass  image_mass over the focused (row, head) pairs only: those whose 16 highest-attention
+              candidate tokens hold at least half of their image mass (where the choice of pages matters).
 `oracle` picks, per KV head, the pages with the largest exact share averaged over the group's query
 heads (the best any method can do on image_mass), `random` is the expected share.
 
@@ -44,6 +48,7 @@ from mm_oval.stats import get_stats
 from mm_oval.training.router import zoo_prompts
 
 BUDGETS = (0.10, 0.25, 0.50)
+MIN_IMAGE_MASS = 1e-4  # a query head with less attention than this on the candidate image pages is left out
 
 
 def load(model_dir: str | None):
@@ -106,6 +111,8 @@ def quality(
     policies = {name: make_retrieval(kind, **opts) for name, (kind, opts) in methods.items()}
     sums: dict[tuple[str, float, str], float] = {}
     count = 0
+    # (row, query head) pairs each metric averages over: the denominators
+    heads = {"image_mass": 0, "top16_mass": 0, "focused_mass": 0}
     cap = Capture()
     box: dict[str, Any] = {}
     hooks = [
@@ -187,8 +194,19 @@ def quality(
                     page_mass = torch.zeros(hq, p).index_add_(
                         1, tok_page.clamp(min=0), img_att * (tok_page >= 0)
                     )
+                    # a query head that puts (almost) no mass on the candidate pages has no share to
+                    # capture: it is left out for every method and for random alike
+                    looks = img_att.sum(-1) > MIN_IMAGE_MASS  # (Hq,)
                     tot = img_att.sum(-1).clamp_min(1e-12)  # (Hq,)
-                    topv, topi = img_att.topk(min(top_tokens, int(cand_tok.sum())), -1)
+                    # the top tokens: at or above the k-th largest attention (ties included, so a head that
+                    # spreads its mass evenly has every candidate token in its "top")
+                    kth = img_att.topk(min(top_tokens, int(cand_tok.sum())), -1).values[:, -1:]
+                    top_att = img_att * (img_att >= kth * (1 - 1e-4))
+                    # focused heads: the top tokens hold at least half of the head's image mass (an even
+                    # spread over 60 candidates gives 16 tokens ~0.27): where the choice of pages matters
+                    top_only = img_att.topk(min(top_tokens, int(cand_tok.sum())), -1).values.sum(-1)
+                    focused = looks & (top_only >= 0.5 * img_att.sum(-1))
+                    rows_of = {"image_mass": looks, "top16_mass": looks, "focused_mass": focused}
                     ctx = DecodeContext(
                         layer,
                         q[:, :, i : i + 1],
@@ -218,23 +236,31 @@ def quality(
                             sel_q = sel.repeat_interleave(group, 0)  # (Hq, P)
                             share = (page_mass * sel_q).sum(-1) / tot
                             read_tok = sel_q.gather(1, tok_page.clamp(min=0).expand(hq, n)) & (tok_page >= 0)
-                            top_share = (topv * read_tok.gather(1, topi)).sum(-1) / topv.sum(-1).clamp_min(
-                                1e-12
-                            )
-                            for metric, val in (("image_mass", share), ("top16_mass", top_share)):
+                            top_share = (top_att * read_tok).sum(-1) / top_att.sum(-1).clamp_min(1e-12)
+                            for metric, val in (
+                                ("image_mass", share),
+                                ("top16_mass", top_share),
+                                ("focused_mass", share),
+                            ):
                                 key = (name, b, metric)
-                                sums[key] = sums.get(key, 0.0) + float(val.mean())
+                                sums[key] = sums.get(key, 0.0) + float(val[rows_of[metric]].sum())
                     for b in BUDGETS:
                         r = math.ceil(n_cand * b - 1e-9) / max(n_cand, 1)
-                        for metric in ("image_mass", "top16_mass"):
-                            sums[("random", b, metric)] = sums.get(("random", b, metric), 0.0) + r
+                        for metric, m in rows_of.items():
+                            sums[("random", b, metric)] = sums.get(("random", b, metric), 0.0) + r * int(
+                                m.sum()
+                            )
                     count += 1
+                    for metric, m in rows_of.items():
+                        heads[metric] += int(m.sum())
     finally:
         for h in hooks:
             h.remove()
         model.set_attn_implementation(previous)
-    return {f"{name}|{b}|{metric}": v / max(count, 1) for (name, b, metric), v in sums.items()} | {
-        "rows": count
+    return {f"{name}|{b}|{metric}": v / max(heads[metric], 1) for (name, b, metric), v in sums.items()} | {
+        "rows": count,
+        "head_rows": heads["image_mass"],
+        "focused_rows": heads["focused_mass"],
     }
 
 
@@ -331,9 +357,9 @@ def main() -> int:
     t_quality = time.perf_counter() - t0
     names = ["oracle", *methods, "random"]
     print(
-        f"model: {where}; {len(prompts)} prompts, {q['rows']} routed (query, layer) rows ({t_quality:.0f} s)"
+        f"model: {where}; {len(prompts)} prompts, {q['rows']} routed (query, layer) rows, {q['head_rows']} (row, query head) pairs looking at the image, {q['focused_rows']} focused ({t_quality:.0f} s)"
     )
-    for metric in ("image_mass", "top16_mass"):
+    for metric in ("image_mass", "top16_mass", "focused_mass"):
         print(
             f"\n{metric}: share held by the selected image pages (read budget = share of candidate image pages)"
         )

@@ -203,5 +203,7 @@ def test_bundled_router_holds_more_image_attention_than_a_random_pick():
     router = load_router(router_dir, model)  # also checks it was trained for this very model
     samples = capture_router_data(model, processor, zoo_prompts(12, 7777), max_new_tokens=2)
     got = evaluate_capture(router, samples, read_budget=0.25)
-    assert got["router"] > got["random"] + 0.03
-    assert got["router"] <= got["oracle"] + 1e-6
+    assert got["router"] > got["random"] and got["router"] <= got["oracle"] + 1e-6
+    # where the choice matters (heads focused on a few pages; measured 0.67 vs random 0.27 on 40 of 360)
+    assert got["focused_rows"] >= 10
+    assert got["focused_router"] > got["focused_random"] + 0.2
