@@ -273,6 +273,7 @@ def _rope_vec(offsets: list[int], pairs, amp: float) -> torch.Tensor:
     return q.float()
 
 
+COMMON_KEY_PAIR = 18  # layer 2, KV head 0: a pair no query of that head uses
 RECENCY_PAIR = 12  # turns by 1e6^(-12/32) = 0.0056 rad per token: -sin(d theta) falls for d < ~280
 
 
@@ -390,6 +391,10 @@ def set_language_model(model, tokenizer, beta: float = 24.0, gate: float = 20.0,
         a2.k_proj.weight[j, _idx("I_SHP", i)] = 1.0
         a2.q_proj.weight[j, _idx("K_SHP", i)] = bq
     a2.k_proj.weight[sink, _idx("IS_BOS")] = 1.0
+    # a key direction every token shares (no query reads it: scores are unchanged), so an empty cell's key
+    # is not exactly zero; trained models' keys share a common direction too, and key-geometry methods
+    # (KeyDiff's cosine to the mean key) are undefined on a zero key
+    a2.k_proj.weight[COMMON_KEY_PAIR, _idx("CONST")] = 0.5 / CONST
     a2.q_proj.weight[sink, LAYOUT["K_COL"]] = 0.75 * bq
     a2.q_proj.weight[sink, LAYOUT["K_SHP"]] = 0.75 * bq
     a2.q_proj.weight[sink, _idx("T_THERE")] = 0.25 * bq
