@@ -45,6 +45,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..errors import ModelError
 from .generate import COLORS, GRID, LETTERS, SHAPES
 
 CONST = 8.0  # the constant field's value in every token
@@ -93,7 +94,7 @@ def _layout() -> dict[str, slice]:
 
 
 LAYOUT = _layout()
-USED_DIMS = LAYOUT["SINKX"].stop
+HIDDEN = 128  # the text model width the layout is written for
 # an image token holding an object: the constant plus four unit fields (colour, shape, row, column)
 OBJECT_NORM = math.sqrt(CONST**2 + 4)
 
@@ -116,14 +117,10 @@ def _unit_scale(hidden: int, norm: float) -> float:
     return math.sqrt(hidden) / norm
 
 
-class CircuitError(ValueError):
-    pass
-
-
 def check_model(model) -> None:
     cfg = model.config.text_config
     need = {
-        "hidden_size": 128,
+        "hidden_size": HIDDEN,
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -131,14 +128,14 @@ def check_model(model) -> None:
     }
     bad = {k: getattr(cfg, k, None) for k, v in need.items() if getattr(cfg, k, None) != v}
     if bad:
-        raise CircuitError(
+        raise ModelError(
             f"the circuit is written for the tiny LLaVA's text shape {need}; this model has {bad}"
         )
     theta = (cfg.rope_parameters or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
     if theta != 1e6:
-        raise CircuitError(f"the circuit needs RoPE theta 1e6 (slow pairs for content scores), got {theta}")
+        raise ModelError(f"the circuit needs RoPE theta 1e6 (slow pairs for content scores), got {theta}")
     if model.config.text_config.attention_bias or model.config.text_config.mlp_bias:
-        raise CircuitError("the circuit assumes bias-free attention and MLP projections")
+        raise ModelError("the circuit assumes bias-free attention and MLP projections")
 
 
 def _inv_freq(theta: float = 1e6) -> torch.Tensor:
@@ -149,7 +146,7 @@ def _inv_freq(theta: float = 1e6) -> torch.Tensor:
 # embeddings and the projector
 
 
-def word_features(tokenizer) -> dict[int, dict[str, float]]:
+def word_features(tokenizer) -> dict[int, dict[int, float]]:
     """Token id -> {dimension index: value} beyond the constant field."""
     ids = tokenizer.convert_tokens_to_ids
     feats: dict[int, dict[int, float]] = {}
@@ -157,7 +154,7 @@ def word_features(tokenizer) -> dict[int, dict[str, float]]:
     def put(word: str, name: str, i: int = 0, v: float = 1.0) -> None:
         tid = ids(word)
         if tid == tokenizer.unk_token_id:
-            raise CircuitError(f"the tokenizer has no token {word!r}")
+            raise ModelError(f"the tokenizer has no token {word!r}")
         feats.setdefault(tid, {})[_idx(name, i)] = v
 
     for i, c in enumerate(COLORS):
@@ -203,7 +200,7 @@ def set_projector(model, code: torch.Tensor, sharpness: float = 40.0) -> None:
     w1, b1, w2, b2 = proj.linear_1.weight, proj.linear_1.bias, proj.linear_2.weight, proj.linear_2.bias
     n = code.shape[1]
     if 2 * n > w1.shape[0]:
-        raise CircuitError(f"projector too narrow: {w1.shape[0]} units for {n} classes")
+        raise ModelError(f"projector too narrow: {w1.shape[0]} units for {n} classes")
     for t in (w1, b1, w2, b2):
         t.zero_()
     a_w = sharpness * code[:-1].T  # (n, D)
@@ -516,10 +513,10 @@ def set_language_model(model, tokenizer, beta: float = 24.0, gate: float = 20.0,
 
 
 def image_embeddings(labels: torch.Tensor) -> torch.Tensor:
-    """(B, 64, 4) patch labels -> (B, 64, 128): the image tokens the projector writes when the tower's code
+    """(B, 64, 4) patch labels -> (B, 64, HIDDEN): the image tokens the projector writes when the tower's code
     is exact (the constant, the one-hot colour / shape / row / column fields, the norm pad of empty cells)."""
     code = code_targets(labels)
-    out = torch.zeros(*labels.shape[:-1], 128)
+    out = torch.zeros(*labels.shape[:-1], HIDDEN)
     out[..., _idx("CONST")] = CONST
     sizes = [len(COLORS), len(SHAPES), GRID, GRID]
     for name, part in zip(("I_COL", "I_SHP", "I_ROW", "I_CLM"), code.split(sizes, -1), strict=True):
