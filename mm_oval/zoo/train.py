@@ -403,6 +403,22 @@ class Trainer:
         self.log_path = self.out / "train_log.jsonl"
 
     # -- vision stage ----------------------------------------------------------------------------
+    def vision_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s images of the vision stage: pixel values and (B, 64, 4) patch labels."""
+        n = self.cfg.vision_batch
+        items = [self.sampler.item(10_000_000 + step * n + i, 0) for i in range(n)]
+        return pixel_values([it.image for it in items]), torch.stack([patch_labels(it.scene) for it in items])
+
+    @torch.no_grad()
+    def fit_patches(self, batches: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+        """Patch features and labels of fresh scenes (none the vision stage saw) that the projector is fit on."""
+        feats, labels = [], []
+        for i in range(batches):
+            items = [self.sampler.item(20_000_000 + i * 1000 + j, 0) for j in range(self.cfg.vision_batch)]
+            feats.append(patch_features(self.model, pixel_values([it.image for it in items])))
+            labels.append(torch.stack([patch_labels(it.scene) for it in items]))
+        return torch.cat(feats), torch.cat(labels)
+
     def vision_stage(self) -> dict:
         if self.cfg.circuit:
             return self.vision_code_stage()
@@ -412,12 +428,7 @@ class Trainer:
         model.train()
         accs = [0.0] * 4
         for step in range(cfg.vision_steps):
-            items = [
-                self.sampler.item(10_000_000 + step * cfg.vision_batch + i, 0)
-                for i in range(cfg.vision_batch)
-            ]
-            pix = pixel_values([it.image for it in items])
-            labels = torch.stack([patch_labels(it.scene) for it in items])
+            pix, labels = self.vision_batch(step)
             loss, accs = self.probe.loss_and_acc(patch_features(model, pix), labels)
             opt.zero_grad()
             loss.backward()
@@ -442,13 +453,10 @@ class Trainer:
         for step in range(cfg.vision_steps):
             for g in opt.param_groups:
                 g["lr"] = cfg.vision_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.vision_steps))
-            items = [
-                self.sampler.item(10_000_000 + step * cfg.vision_batch + i, 0)
-                for i in range(cfg.vision_batch)
-            ]
-            pix = pixel_values([it.image for it in items])
-            target = circuit.code_targets(torch.stack([patch_labels(it.scene) for it in items]))
-            loss = F.mse_loss(head(patch_features(model, pix)), target) * circuit.CODE_SIZE
+            pix, labels = self.vision_batch(step)
+            loss = (
+                F.mse_loss(head(patch_features(model, pix)), circuit.code_targets(labels)) * circuit.CODE_SIZE
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -461,12 +469,7 @@ class Trainer:
         """Fit the code on fresh scenes by least squares, then write the projector and language model."""
         model = self.model
         model.eval()
-        feats, labels = [], []
-        for i in range(8):
-            items = [self.sampler.item(20_000_000 + i * 1000 + j, 0) for j in range(self.cfg.vision_batch)]
-            feats.append(patch_features(model, pixel_values([it.image for it in items])))
-            labels.append(torch.stack([patch_labels(it.scene) for it in items]))
-        code, report = circuit.projector_code(torch.cat(feats), torch.cat(labels))
+        code, report = circuit.projector_code(*self.fit_patches())
         log.info("patch code fit: %s", report)
         circuit.set_projector(model, code)
         circuit.set_language_model(model, self.processor.tokenizer)
@@ -490,12 +493,7 @@ class Trainer:
         cfg, model = self.cfg, self.model
         proj = model.model.multi_modal_projector
         with torch.no_grad():
-            feats, labels = [], []
-            for i in range(8):
-                items = [self.sampler.item(20_000_000 + i * 1000 + j, 0) for j in range(cfg.vision_batch)]
-                feats.append(patch_features(model, pixel_values([it.image for it in items])))
-                labels.append(torch.stack([patch_labels(it.scene) for it in items]))
-            feats, labels = torch.cat(feats), torch.cat(labels)
+            feats, labels = self.fit_patches()
             targets = self.projector_targets(labels)
             # linear_1 holds least-squares one-hot regressions of the cell's colour, shape, row and column,
             # shifted and scaled so GELU turns them into a clean one-hot code; linear_2 is the least-squares
