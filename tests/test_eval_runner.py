@@ -84,17 +84,8 @@ def make_mmbench(path: Path, n: int = 2) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, tiny_random_llava):
-    model, processor = tiny_random_llava
-    d = tmp_path_factory.mktemp("tiny_llava")
-    model.save_pretrained(d)
-    processor.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    return load_model(str(tiny_model_dir), device="cpu")
+def loaded(tiny_random_llava_dir):
+    return load_model(str(tiny_random_llava_dir), device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -268,14 +259,14 @@ def test_clear_errors(loaded, tmp_path, vqa_dir):
 
 
 @pytest.mark.slow
-def test_two_accelerate_processes_equal_one(tiny_model_dir, vqa_dir, tmp_path, reference):
+def test_two_accelerate_processes_equal_one(tiny_random_llava_dir, vqa_dir, tmp_path, reference):
     one, one_dir = reference
     accelerate = Path(sys.executable).with_name("accelerate")
     # accelerate's --cpu launcher starts one process unless MPI is set up; --multi_gpu starts the processes
     # torchrun-style, and without a GPU they talk over gloo on the CPU
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "mm_oval.eval",
-           "--model", str(tiny_model_dir), "--task", "vqav2", "--data", str(vqa_dir),
+           "--model", str(tiny_random_llava_dir), "--task", "vqav2", "--data", str(vqa_dir),
            "--batch-size", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "two"), "--no-progress", "--dtype", "float32"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     t = time.perf_counter()
@@ -306,7 +297,9 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-def test_sigkilled_process_resumes_to_the_same_results(loaded, tiny_model_dir, vqa_dir, tmp_path, reference):
+def test_sigkilled_process_resumes_to_the_same_results(
+    loaded, tiny_random_llava_dir, vqa_dir, tmp_path, reference
+):
     import signal
 
     model, processor = loaded
@@ -315,7 +308,7 @@ def test_sigkilled_process_resumes_to_the_same_results(loaded, tiny_model_dir, v
     out = tmp_path / "killed"
     script = tmp_path / "killable.py"
     script.write_text(KILLABLE)
-    args = ["--model", str(tiny_model_dir), "--task", "vqav2", "--data", str(vqa_dir), "--out", str(out),
+    args = ["--model", str(tiny_random_llava_dir), "--task", "vqav2", "--data", str(vqa_dir), "--out", str(out),
             "--batch-size", "1", "--max-new-tokens", "6", "--dtype", "float32", "--no-progress"]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, str(script), *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True
@@ -334,7 +327,9 @@ def test_sigkilled_process_resumes_to_the_same_results(loaded, tiny_model_dir, v
         line for line in preds.read_text().split("\n")[:-1] if line.strip()
     ]  # a cut last line is not whole
     assert 2 <= len(whole) < 8
-    resumed = evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, model_name=str(tiny_model_dir), **kw)
+    resumed = evaluate(
+        model, processor, "vqav2", vqa_dir, out_dir=out, model_name=str(tiny_random_llava_dir), **kw
+    )
     assert resumed["run"]["new_items"] == 8 - len(whole)
     assert _preds(out) == _preds(ref_dir)
     assert _comparable(resumed) == _comparable(ref)
