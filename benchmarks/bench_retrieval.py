@@ -196,16 +196,16 @@ def quality(
                     )
                     # a query head that puts (almost) no mass on the candidate pages has no share to
                     # capture: it is left out for every method and for random alike
-                    looks = img_att.sum(-1) > MIN_IMAGE_MASS  # (Hq,)
-                    tot = img_att.sum(-1).clamp_min(1e-12)  # (Hq,)
+                    mass = img_att.sum(-1)  # (Hq,)
+                    looks = mass > MIN_IMAGE_MASS
+                    tot = mass.clamp_min(1e-12)
+                    topv = img_att.topk(min(top_tokens, int(cand_tok.sum())), -1).values  # (Hq, k)
                     # the top tokens: at or above the k-th largest attention (ties included, so a head that
                     # spreads its mass evenly has every candidate token in its "top")
-                    kth = img_att.topk(min(top_tokens, int(cand_tok.sum())), -1).values[:, -1:]
-                    top_att = img_att * (img_att >= kth * (1 - 1e-4))
+                    top_att = img_att * (img_att >= topv[:, -1:] * (1 - 1e-4))
                     # focused heads: the top tokens hold at least half of the head's image mass (an even
                     # spread over 60 candidates gives 16 tokens ~0.27): where the choice of pages matters
-                    top_only = img_att.topk(min(top_tokens, int(cand_tok.sum())), -1).values.sum(-1)
-                    focused = looks & (top_only >= 0.5 * img_att.sum(-1))
+                    focused = looks & (topv.sum(-1) >= 0.5 * mass)
                     rows_of = {"image_mass": looks, "top16_mass": looks, "focused_mass": focused}
                     ctx = DecodeContext(
                         layer,
