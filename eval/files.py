@@ -9,8 +9,9 @@ import io
 import json
 import logging
 import os
+import re
+import secrets
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,19 @@ csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same folder and `os.replace`, so a
-    reader never sees a half-written file and a crash leaves the previous version intact."""
+    reader never sees a half-written file and a crash leaves the previous version intact. The file gets
+    the user's usual permissions (0666 less the umask), like any file the user creates; a temporary file
+    left behind by a killed writer is removed by `remove_stale_tmp`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        try:
+            # os.open applies the umask to 0o666 (tempfile.mkstemp would make it 0600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -41,6 +51,30 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+TMP_SUFFIX = ".tmp"
+# `.{name}.{random}.tmp`: the temporary files of `atomic_write_text` (and of tempfile.mkstemp, used before)
+_TMP_NAME = re.compile(r"^\..+\.[A-Za-z0-9_]{6,}\.tmp$")
+
+
+def remove_stale_tmp(folder: str | os.PathLike) -> list[str]:
+    """Delete the temporary files an interrupted `atomic_write_text` left in `folder`; return their names.
+    Only call it while no other process writes into the folder (the runner holds the folder's lock)."""
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for f in folder.iterdir():
+        if _TMP_NAME.match(f.name) and f.is_file():
+            try:
+                f.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(f.name)
+    if removed:
+        log.info("%s: removed %d temporary file(s) of an interrupted write", folder, len(removed))
+    return removed
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -107,46 +141,57 @@ class JsonlAppender:
         self.close()
 
 
-def repair_jsonl(path: Path) -> int:
-    """Cut a trailing partial line (a crash mid-write) off a JSONL file; return the number of whole records."""
-    if not path.exists():
-        return 0
+def _scan_jsonl(path: Path) -> tuple[list[dict], int]:
+    """The records of a JSONL file written by `JsonlAppender` and the byte offset where its whole lines
+    end. A last line without its newline is what a crash mid-write leaves: it is not a record. Any
+    other line that is not a JSON object means the file was damaged after it was written: an error
+    naming the line, never a silent loss of the records after it."""
     data = path.read_bytes()
-    good_end, count = 0, 0
-    pos = 0
-    while pos < len(data):
+    records: list[dict] = []
+    pos, lineno = 0, 0
+    while True:
         nl = data.find(b"\n", pos)
         if nl < 0:
-            break
+            return records, pos
+        lineno += 1
         line = data[pos:nl]
         if line.strip():
             try:
-                json.loads(line)
-            except ValueError:
-                break
-            count += 1
-        good_end = nl + 1
+                rec = json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise DataError(
+                    f"{path}, line {lineno}: not a whole JSON record ({getattr(e, 'msg', e)}); the file was damaged after it "
+                    "was written. Delete that line (its item is then generated again) or use another --out"
+                ) from None
+            if not isinstance(rec, dict):
+                raise DataError(
+                    f"{path}, line {lineno}: expected a JSON object, got {type(rec).__name__}; delete that "
+                    "line (its item is then generated again) or use another --out"
+                )
+            records.append(rec)
         pos = nl + 1
-    if good_end < len(data):
-        log.warning("%s: dropping %d bytes of an unfinished last record", path, len(data) - good_end)
+
+
+def repair_jsonl(path: Path) -> int:
+    """Cut a trailing partial line (a crash mid-write) off a JSONL file; return the number of whole records.
+    A damaged line before the last is a `DataError` (see `_scan_jsonl`)."""
+    if not path.exists():
+        return 0
+    records, good_end = _scan_jsonl(path)
+    size = path.stat().st_size
+    if good_end < size:
+        log.warning("%s: dropping %d bytes of an unfinished last record", path, size - good_end)
         with open(path, "r+b") as f:
             f.truncate(good_end)
-    return count
+    return len(records)
 
 
 def iter_records(path: Path) -> Iterator[dict]:
-    """Whole records of a JSONL file written by `JsonlAppender`; an unfinished last line is skipped."""
+    """Whole records of a JSONL file written by `JsonlAppender`; an unfinished last line is skipped, a
+    damaged line before it is a `DataError` naming the line."""
     if not path.exists():
         return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    break
+    yield from _scan_jsonl(path)[0]
 
 
 def read_table(path: str | os.PathLike, what: str = "table") -> list[dict[str, str | None]]:
