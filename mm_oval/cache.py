@@ -374,7 +374,8 @@ class PagedLayer(CacheLayerMixin):
     @property
     def stats(self) -> dict[str, Any]:
         """Tokens and bytes kept for the prompt, by modality: tokens summed over the batch and averaged over
-        KV heads, bytes exact (keys + values of every head)."""
+        KV heads, bytes exact (keys + values of every head). `bytes_allocated`: the key and value storage
+        as allocated (every head padded to the longest one, and the decode slots, used or not)."""
         t = getattr(self, "_stats_t", None)
         if t is None:
             return {}
@@ -387,7 +388,7 @@ class PagedLayer(CacheLayerMixin):
             out[f"{name}_tokens_kept"] = kept / H
             out[f"{name}_bytes_full"] = full * per_token
             out[f"{name}_bytes_kept"] = kept * per_token
-        out["bytes_allocated"] = B * H * self.prompt_slots * per_token
+        out["bytes_allocated"] = sum(t.untyped_storage().nbytes() for t in (self._k, self._v))
         out["pages"] = int(t["pages"]) / H
         return out
 

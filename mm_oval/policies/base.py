@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError
+from ..stats import iter_tensors
 
 # modality codes used everywhere (cache, policies, stats)
 TEXT, IMAGE, PAD = 0, 1, -1
@@ -66,6 +67,12 @@ class EvictionPolicy:
     def keep_layer_unchanged(self, layer_idx: int) -> bool:
         """True for layers the method leaves uncompressed (e.g. FastV's first layers)."""
         return False
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors the policy itself holds (learned weights, cached tables), counted in the stats'
+        `allocated_bytes["method_state"]`. The default walks the policy's attributes (dicts, lists,
+        dataclasses, `nn.Module`s); override it when the policy refers to tensors it does not own."""
+        return list(iter_tensors(vars(self)))
 
 
 @dataclass
@@ -132,6 +139,12 @@ class RetrievalPolicy:
         """-> (B, Hkv, P) bool, the candidate pages read at this step."""
         k = budget_count(float(read_budget), ctx.candidates.sum(-1))  # (B, Hkv)
         return topk_mask(self.score_pages(ctx), ctx.candidates, k)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors the policy itself holds (e.g. a router's weights, cached per-layer matrices), counted
+        in the stats' `allocated_bytes["method_state"]`; summaries are the cache's and counted there. The
+        default walks the policy's attributes; override it when the policy refers to tensors it does not own."""
+        return list(iter_tensors(vars(self)))
 
 
 EVICTION_REGISTRY: dict[str, type[EvictionPolicy]] = {}
