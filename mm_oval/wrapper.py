@@ -6,12 +6,15 @@ What wrapping changes, and `unwrap` restores:
   the kept (and, with retrieval, selected) slots at decode. The vision tower is untouched;
 - `model.generate` builds a fresh cache per call and then calls Hugging Face's `generate`;
 - forward hooks prepare the cache from `input_ids` (modality, positions, image rows/cols), time prefill
-  and decode, and hand the last hidden state to retrieval policies.
+  and decode, and hand the last hidden state to retrieval policies. Prefill time covers the vision tower
+  and projector: Hugging Face's `generate` encodes the images before the first forward, so for a
+  `generate` call the prefill clock starts when the request starts.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 import time
@@ -156,7 +159,8 @@ def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
             new_valid = None if bool(tail.all()) else tail
         cache.new_valid = new_valid
     _sync(input_ids)
-    cache._t0 = time.perf_counter()
+    started = cache.__dict__.pop("_t_request", None)  # set by generate: the images were encoded before
+    cache._t0 = started if started is not None and cache._phase_now == "prefill" else time.perf_counter()
 
 
 def _post_forward(model: Any, args: tuple, kwargs: dict, output: Any) -> None:
@@ -221,9 +225,14 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
         )
     kwargs.pop("past_key_values", None)
     kwargs["cache"] = cache
+    if cache.get_seq_length() == 0:
+        # the prefill clock starts here: generate runs the vision tower and projector before the forward
+        _sync(input_ids)
+        cache._t_request = time.perf_counter()
     try:
         return model._mm_oval_generate(*args, **kwargs)
     finally:
+        cache.__dict__.pop("_t_request", None)
         if cache.info is not None:
             state.last_stats = cache_stats(cache)
 
@@ -231,8 +240,11 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
 def prefill(model: Any, **inputs: Any) -> PagedMultimodalCache:
     """Run the prompt once (e.g. the image and a system text) and return the compressed cache. Then ask
     several questions: `model.generate(input_ids=prompt+question, attention_mask=..., cache=cache.copy())`
-    (the question is not part of the compressed prefill; pass no pixel_values again)."""
+    (the question is not part of the compressed prefill; pass no pixel_values again). The model computes
+    the logits of the last prompt position only (`logits_to_keep=1`), not of every prompt token."""
     cache = new_cache(model)
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        inputs.setdefault("logits_to_keep", 1)
     with torch.no_grad():
         model(**inputs, cache=cache, use_cache=True)
     return cache

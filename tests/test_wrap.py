@@ -264,6 +264,46 @@ def test_stats_describe_the_last_request(model_and_processor):
     assert s["image_kv_fraction_kept"] == pytest.approx(0.25)
 
 
+def test_prefill_time_covers_the_vision_tower(model_and_processor, monkeypatch):
+    """generate encodes the images before its first forward: that time is part of the prefill."""
+    import time
+
+    model, processor = model_and_processor
+    inputs = _batch(processor, 1)
+    mm_oval.wrap(model, method="snapkv", budget=0.25)
+    tower = model.model.vision_tower
+    forward, pause = tower.forward, 0.25
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(pause)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tower, "forward", slow_forward)
+    model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert get_stats(model)["prefill_s"] >= pause
+    prefill(model, **inputs)  # the image encoded inside the forward
+    assert get_stats(model)["prefill_s"] >= pause
+
+
+def test_prefill_computes_the_logits_of_the_last_position_only(model_and_processor):
+    model, processor = model_and_processor
+    inputs = _batch(processor, 2)
+    with torch.no_grad():
+        full = model(**inputs).logits
+    assert full.shape[1] == inputs["input_ids"].shape[1]
+    mm_oval.wrap(model, method="snapkv", budget=0.25)
+    seen = []
+    hook = model.register_forward_hook(lambda module, args, output: seen.append(output.logits))
+    try:
+        prefill(model, **inputs)
+    finally:
+        hook.remove()
+    (logits,) = seen
+    assert logits.shape == (2, 1, full.shape[-1])
+    torch.testing.assert_close(logits[:, 0], full[:, -1], atol=1e-4, rtol=1e-4)
+    assert logits[:, 0].argmax(-1).tolist() == full[:, -1].argmax(-1).tolist()
+
+
 def test_wraps_the_models_own_attention_implementation_eager_too():
     from mm_oval.zoo.model import build_tiny_llava
 
