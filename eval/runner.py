@@ -7,15 +7,21 @@ The runner knows nothing of policies: "full" is the plain model, any other spec 
 `mm_oval.wrap(model, config=OvalConfig.from_spec(spec, budget))` and is unwrapped afterwards.
 
 Output directory:
-    run.json                     the run's identity (task, data, model, method, budget, limit, ...)
-    predictions.rank<R>.jsonl    {"id", "prediction", "rank", "new_tokens"[, "turn"]} per item, appended
+    run.json                     the run's identity (task, data, model, dtype, device kind, weights
+                                 fingerprint, method, budget, limit, ...): a resume must match it
+    .lock                        held (flock) by the run writing into the folder; a second run is refused
+    predictions.rank<R>.jsonl    {"id", "prediction", "rank", "new_tokens"[, "turn"][, "kv"]} per item,
+                                 appended; "kv" (the batch's KV figures) rides on a batch's last record
     results.json                 config, versions, counts, scores, KV figures, timings (rank 0, atomic)
     predictions_official.*       the predictions in the task's official format (readable by `mm-oval score`)
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Iterable
@@ -27,15 +33,15 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DataError, ModelError, ResultsError
-from .files import JsonlAppender, atomic_write_json, iter_records, read_json
+from .files import JsonlAppender, atomic_write_json, iter_records, read_json, remove_stale_tmp
 from .tasks import Item, Task, get_task, resolve_data
 
 log = logging.getLogger(__name__)
 
 # bump when prompts or the prediction record change: a resumed directory must hold the same kind of run
-RUN_FORMAT = 1
-IDENTITY_KEYS = ("format", "task", "data", "data_options", "model", "method", "budget", "limit",
-                 "max_new_tokens", "multi_turn", "compress")  # fmt: skip
+RUN_FORMAT = 2
+IDENTITY_KEYS = ("format", "task", "data", "data_options", "model", "dtype", "device", "weights", "method",
+                 "budget", "limit", "max_new_tokens", "multi_turn", "compress")  # fmt: skip
 # where the cache is compressed: "prompt" = after the whole prompt (image + question) is prefilled, as
 # LLaVA evaluates; "image" = right after the image, before the question is read (question-agnostic: the
 # setting of an image cached once and asked about later; the first answer token is then computed on the
@@ -57,6 +63,9 @@ class RunConfig:
     multi_turn: int | None = None
     compress: str = "prompt"
     data_options: dict[str, Any] = field(default_factory=dict)
+    dtype: str | None = None  # the weights' dtype: float16 and bfloat16 answers differ
+    device: str | None = None  # the device kind (cpu, cuda, mps): kernels and numerics differ
+    weights: dict[str, Any] | None = None  # `weights_fingerprint`: the same path may hold other weights
     batch_size: int = 1  # does not change predictions (tested), so not part of the identity
     format: int = RUN_FORMAT
 
@@ -152,27 +161,84 @@ def check_llava(model: Any) -> None:
         )
 
 
+# the files of a model folder whose change can change an answer (weights, configs, tokenizer, template)
+FINGERPRINT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".txt", ".jinja")
+FINGERPRINT_SAMPLES = 16  # values read from each parameter tensor
+_CONFIG_VOLATILE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash")
+
+
+def weights_fingerprint(model: Any) -> dict[str, Any]:
+    """A cheap fingerprint of the weights a model holds, loaded from a folder or built in Python: a hash of
+    its config, a hash of every parameter's name, shape and dtype plus a few values strided across it
+    (16 per tensor: milliseconds at 7B), and, when `config._name_or_path` is a local folder, the size and
+    modification time of its weight, config and tokenizer files."""
+    cfg = model.config
+
+    def scrub(d: Any) -> Any:
+        if isinstance(d, dict):
+            return {k: scrub(v) for k, v in d.items() if k not in _CONFIG_VOLATILE}
+        return d
+
+    cfg_text = json.dumps(scrub(cfg.to_dict()), sort_keys=True, default=str)
+    h = hashlib.sha256()
+    samples = []
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        if p.numel() == 0 or p.device.type == "meta":  # offloaded weights: shape only
+            continue
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+        samples.append(flat[::step][:FINGERPRINT_SAMPLES].float().cpu())
+    if samples:
+        h.update(torch.cat(samples).numpy().tobytes())
+    out: dict[str, Any] = {
+        "config": hashlib.sha256(cfg_text.encode()).hexdigest()[:16],
+        "tensors": h.hexdigest()[:16],
+        "files": {},
+    }
+    src = str(getattr(cfg, "_name_or_path", "") or "")
+    folder = Path(src) if src else None
+    if folder is not None and folder.is_dir():
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and f.name.endswith(FINGERPRINT_FILES):
+                st = f.stat()
+                out["files"][f.name] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 # ---------------------------------------------------------------- methods
+
+
+def check_method(method: str, budget: float | int | None) -> Any:
+    """The `OvalConfig` of a method spec and budget (None for 'full'), or the ConfigError a typo causes;
+    nothing is touched, so a run (or every cell of a sweep) can be checked before anything is written."""
+    if method == "full":
+        if budget not in (None, 1, 1.0):
+            raise ConfigError("--budget applies to compressed methods; method 'full' keeps the whole cache")
+        return None
+    try:
+        from mm_oval.config import OvalConfig
+    except ImportError as e:
+        raise ConfigError(
+            f"method {method!r} needs mm_oval.wrap, which this install lacks; only 'full' is available ({e})"
+        ) from e
+    return OvalConfig.from_spec(method, budget)
 
 
 def apply_method(model: Any, method: str, budget: float | int | None) -> bool:
     """Wrap `model` in place for a method spec; return whether it was wrapped (to unwrap afterwards)."""
     if getattr(model, "_mm_oval", None) is not None:
         raise ConfigError("the model is already wrapped: pass the plain model and a method spec instead")
-    if method == "full":
-        if budget not in (None, 1, 1.0):
-            raise ConfigError("--budget applies to compressed methods; method 'full' keeps the whole cache")
+    config = check_method(method, budget)
+    if config is None:
         return False
-    try:
-        import mm_oval
-        from mm_oval.config import OvalConfig
+    import mm_oval
 
-        wrap = mm_oval.wrap
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(
-            f"method {method!r} needs mm_oval.wrap, which this install lacks; only 'full' is available ({e})"
-        ) from e
-    wrap(model, config=OvalConfig.from_spec(method, budget))
+    mm_oval.wrap(model, config=config)
     return True
 
 
@@ -292,12 +358,17 @@ def _decode_answers(tok: Any, new: torch.Tensor) -> list[tuple[str, int]]:
 
 
 def generate_image_first(
-    model: Any, processor: Any, items: list[Item], max_new_tokens: int
+    model: Any,
+    processor: Any,
+    items: list[Item],
+    max_new_tokens: int,
+    kv_rows: list[dict] | None = None,
 ) -> list[tuple[str, int]]:
     """Greedy answers with the cache compressed right after the image: each prompt is split after its last
     image token; the first part (template head + image) is prefilled alone (a wrapped model compresses its
     cache there), then `generate` continues on that cache with the question. Items are grouped by prompt
-    length so no padding falls between the two parts; the result does not depend on the grouping."""
+    length so no padding falls between the two parts; the result does not depend on the grouping. Each
+    group is one request: a wrapped model's KV figures of every one are appended to `kv_rows`."""
     from collections import defaultdict
 
     tok = processor.tokenizer
@@ -321,7 +392,7 @@ def generate_image_first(
         ctx = int(ends[0])
         if bool((ends != ctx).any()):  # same length, different image place: one at a time
             for i in idx:
-                out[i] = generate_image_first(model, processor, [items[i]], max_new_tokens)[0]
+                out[i] = generate_image_first(model, processor, [items[i]], max_new_tokens, kv_rows)[0]
             continue
         head = {
             "input_ids": ids[:, :ctx],
@@ -339,6 +410,9 @@ def generate_image_first(
                 cache = DynamicCache(config=model.config.get_text_config())
                 model(**head, cache=cache, use_cache=True)
             seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+        stats = _kv_stats(model) if kv_rows is not None else None
+        if stats:
+            kv_rows.append(stats)
         for i, answer in zip(idx, _decode_answers(tok, seq[:, ids.shape[1] :])):
             out[i] = answer
     return out  # type: ignore[return-value]
@@ -412,22 +486,112 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _check_identity(out_dir: Path, run: RunConfig, is_main: bool) -> None:
+def _differences(old: dict, new: dict, keys: Iterable[str], prefix: str = "") -> list[str]:
+    out = []
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict) and k in ("weights", "files"):
+            out += _differences(a, b, list(dict.fromkeys([*a, *b])), f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: {a!r} there, {b!r} now")
+    return out
+
+
+def _check_identity(out_dir: Path, run: RunConfig) -> None:
+    """Refuse a folder that holds another run (listing every difference); record the identity of a new one."""
     ident = run.identity()
     path = out_dir / "run.json"
     if path.exists():
         old = read_json(path, "run file").get("identity", {})
-        diff = [k for k in IDENTITY_KEYS if old.get(k) != ident.get(k)]
+        diff = _differences(old, ident, IDENTITY_KEYS)
         if diff:
-            detail = "; ".join(f"{k}: {old.get(k)!r} there, {ident.get(k)!r} now" for k in diff)
             raise ResultsError(
-                f"{out_dir} holds results of another configuration ({detail}); "
+                f"{out_dir} holds results of another configuration ({'; '.join(diff)}); "
                 "use another --out, or delete that directory to start over"
             )
     elif any(out_dir.glob("predictions.rank*.jsonl")):
         raise ResultsError(f"{out_dir} holds predictions but no run.json; use another --out or delete them")
-    elif is_main:
+    else:
         atomic_write_json(path, {"identity": ident})
+
+
+class FolderLock:
+    """An exclusive lock on an output folder: `flock` on FOLDER/.lock, which also holds the pid of the
+    process that has it. The kernel drops the lock when that process ends, however it ends, so a lock
+    file left behind by a crash never blocks a later run."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.path = self.folder / ".lock"
+        self._f: Any = None
+
+    def acquire(self) -> FolderLock:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+", encoding="utf-8")
+        try:
+            _lock_file(f)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "a process"
+            f.close()
+            raise ResultsError(
+                f"{self.folder} is in use by another run ({holder}): two runs writing into one folder mix "
+                "their records; wait for that run to end, or use another --out"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {platform.node()}\n")
+        f.flush()
+        self._f = f
+        return self
+
+    def release(self) -> None:
+        if self._f is not None:
+            self._f.close()  # closing the file drops the lock
+            self._f = None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _lock_file(f: Any) -> None:
+    """Lock an open file exclusively without waiting; OSError when another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _claim(out_dir: Path, run: RunConfig, state: Any) -> FolderLock | None:
+    """Rank 0 locks the folder, removes temporary files an interrupted write left, and checks (or records)
+    the run's identity; every rank of the launch gets its verdict, so a refused launch stops on all ranks
+    and the ranks of one launch share rank 0's lock. Returns the lock (rank 0) for the caller to release."""
+    lock, error = None, None
+    if state.is_main_process:
+        try:
+            lock = FolderLock(out_dir).acquire()
+            remove_stale_tmp(out_dir)
+            _check_identity(out_dir, run)
+        except Exception as e:
+            if lock is not None:
+                lock.release()
+            error = e
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error], from_process=0)[0]
+    if error is not None:
+        raise error
+    return lock
 
 
 def _read_done(out_dir: Path, valid_ids: set[str]) -> dict[str, dict]:
@@ -456,10 +620,19 @@ def _units(items: list[Item], multi_turn: int | None) -> list[list[Item]]:
     return units
 
 
-def _batches(units: list[list[Item]], batch_size: int, multi_turn: int | None) -> Iterable[list[list[Item]]]:
+def _batches(units: list[list[Item]], batch_size: int, multi_turn: int | None) -> list[list[list[Item]]]:
+    """A rank's generate calls: `batch_size` single items, or one conversation. The batches are cut from
+    all the rank's units, done or not, so a resumed run batches (pads, groups) exactly as an uninterrupted
+    one, and its KV figures are the same."""
     step = 1 if multi_turn else batch_size
-    for i in range(0, len(units), step):
-        yield units[i : i + step]
+    return [units[i : i + step] for i in range(0, len(units), step)]
+
+
+def _check_count(name: str, value: Any, required: bool = False) -> None:
+    if value is None and not required:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
 def evaluate(
@@ -479,6 +652,7 @@ def evaluate(
     progress: bool = True,
     data_options: dict[str, Any] | None = None,
     extra_timings: dict[str, float] | None = None,
+    rules: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` on a task and return the results dict (on every rank). With `out_dir`, predictions
     are appended per rank as they come (a rerun resumes) and rank 0 writes results.json atomically."""
@@ -489,11 +663,21 @@ def evaluate(
     rank, world = state.process_index, state.num_processes
     check_llava(model)
     task_obj = get_task(task) if isinstance(task, str) else task
+    task_obj.rule(rules)  # the scoring rule (recorded in scores["rules"]); an unknown name fails here
+    # every argument is checked before anything is written: a typo must not leave a run.json behind that
+    # refuses the corrected command
     budget = parse_budget(budget)
-    if batch_size < 1:
-        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    _check_count("--batch-size", batch_size, required=True)
+    _check_count("--limit", limit)
+    _check_count("--max-new-tokens", max_new_tokens)
+    _check_count("--multi-turn", multi_turn)
+    if compress not in COMPRESS_AT:
+        raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {compress!r}")
+    if compress == "image" and multi_turn:
+        raise ConfigError(
+            "compress='image' is for single questions; multi-turn already asks after compression"
+        )
+    check_method(method, budget)
     data_options = {k: v for k, v in (data_options or {}).items() if v is not None}
     data_path = resolve_data(data)
     max_new = max_new_tokens or task_obj.max_new_tokens
@@ -508,6 +692,9 @@ def evaluate(
         multi_turn=multi_turn,
         compress=compress,
         data_options={k: str(v) for k, v in data_options.items()},
+        dtype=_dtype_name(model.dtype),
+        device=model.device.type,
+        weights=weights_fingerprint(model),
         batch_size=batch_size,
     )
     items = task_obj.load(data_path, limit=limit, **data_options)
@@ -516,151 +703,162 @@ def evaluate(
     ids = {it.id for it in items}
     if len(ids) != len(items):
         raise DataError(f"{data_path}: item ids repeat; each question needs a unique id")
-
-    out = Path(out_dir) if out_dir is not None else None
-    done: dict[str, dict] = {}
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        _check_identity(out, run, state.is_main_process)
-        state.wait_for_everyone()
-        done = _read_done(out, ids)
-
-    if compress not in COMPRESS_AT:
-        raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {compress!r}")
-    if compress == "image" and multi_turn:
-        raise ConfigError(
-            "compress='image' is for single questions; multi-turn already asks after compression"
-        )
     if multi_turn and batch_size > 1:
         log.warning("--multi-turn runs one conversation at a time; --batch-size %d is ignored", batch_size)
     units = _units(items, multi_turn)
     mine = units[rank::world]
-    todo = [u for u in mine if not all(it.id in done for it in u)]
-    records: dict[str, dict] = {it.id: done[it.id] for u in mine for it in u if it.id in done}
-    n_new = sum(len(u) for u in todo)
-    if done:
-        log.info(
-            "rank %d: %d of its %d items already done; %d to go",
-            rank,
-            len(records),
-            sum(map(len, mine)),
-            n_new,
-        )
+    batches = _batches(mine, batch_size, multi_turn)
 
+    out = Path(out_dir) if out_dir is not None else None
+    # wrapping checks what the spec alone cannot (agents trained for another model) before the folder is
+    # claimed and run.json written
     wrapped = apply_method(model, method, budget)
-    appender = JsonlAppender(out / f"predictions.rank{rank}.jsonl") if out is not None else None
-    t_gen = time.perf_counter()
+    lock: FolderLock | None = None
     try:
-        from tqdm.auto import tqdm
+        done: dict[str, dict] = {}
+        if out is not None:
+            lock = _claim(out, run, state)
+            done = _read_done(out, ids)
+        records: dict[str, dict] = {it.id: done[it.id] for u in mine for it in u if it.id in done}
+        # a batch cut short by a crash is generated again whole (only its missing records are written)
+        todo = [b for b in batches if any(it.id not in records for u in b for it in u)]
+        n_new = sum(1 for b in todo for u in b for it in u if it.id not in records)
+        if done:
+            log.info(
+                "rank %d: %d of its %d items already done; %d to go",
+                rank,
+                len(records),
+                sum(map(len, mine)),
+                n_new,
+            )
+        appender = JsonlAppender(out / f"predictions.rank{rank}.jsonl") if out is not None else None
+        t_gen = time.perf_counter()
+        try:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(
-            total=n_new,
-            desc=f"{task_obj.name} [{method}]",
-            unit="q",
-            disable=not (progress and state.is_main_process),
-        )
-        for batch in _batches(todo, batch_size, multi_turn):
-            if multi_turn:
-                answers = generate_conversation(model, processor, batch[0], max_new)
-                flat = batch[0]
-            else:
-                flat = [u[0] for u in batch]
-                gen = generate_image_first if compress == "image" else generate_batch
-                answers = gen(model, processor, flat, max_new)
-            stats = _kv_stats(model)
-            for turn, (it, (text, ntok)) in enumerate(zip(flat, answers)):
-                rec = {"id": it.id, "prediction": text, "rank": rank, "new_tokens": ntok}
+            bar = tqdm(
+                total=n_new,
+                desc=f"{task_obj.name} [{method}]",
+                unit="q",
+                disable=not (progress and state.is_main_process),
+            )
+            for batch in todo:
+                flat = [it for u in batch for it in u]
+                kv_rows: list[dict] = []
                 if multi_turn:
-                    rec["turn"] = turn
-                if stats and turn == 0:
-                    # the request's KV figures travel with its first item, so a resumed run still has them
-                    rec["kv"] = stats
-                records[it.id] = rec
-                if appender is not None:
-                    appender.write(rec)
-            bar.update(len(flat))
-        bar.close()
+                    answers = generate_conversation(model, processor, flat, max_new)
+                elif compress == "image":
+                    answers = generate_image_first(model, processor, flat, max_new, kv_rows=kv_rows)
+                else:
+                    answers = generate_batch(model, processor, flat, max_new)
+                if not kv_rows:
+                    stats = _kv_stats(model)
+                    kv_rows = [stats] if stats else []
+                new = [(t, it, a) for t, (it, a) in enumerate(zip(flat, answers)) if it.id not in records]
+                for k, (turn, it, (text, ntok)) in enumerate(new):
+                    rec = {"id": it.id, "prediction": text, "rank": rank, "new_tokens": ntok}
+                    if multi_turn:
+                        rec["turn"] = turn
+                    if kv_rows and k == len(new) - 1:
+                        # the batch's KV figures (one row per request) travel with its last record: the
+                        # batch counts once it is written, and a batch cut short is generated again whole
+                        rec["kv"] = kv_rows
+                    records[it.id] = rec
+                    if appender is not None:
+                        appender.write(rec)
+                bar.update(len(new))
+            bar.close()
+        finally:
+            if appender is not None:
+                appender.close()
+            if wrapped:
+                remove_method(model)
+                wrapped = False
+        gen_s = time.perf_counter() - t_gen
+
+        # every rank contributes its stride; all_gather so every rank can return the same results
+        gathered = gather_object([(rank, list(records.values()), gen_s, n_new)])
+        all_records: dict[str, dict] = {}
+        per_rank = {}
+        for r, recs, gs, nn in gathered:
+            for rec in recs:
+                all_records[rec["id"]] = rec
+            per_rank[str(r)] = {"items": len(recs), "new_items": nn, "generate_s": gs}
+        # one row per request, in item order (a batch's rows ride on its last record)
+        all_kv = [row for it in items for row in all_records.get(it.id, {}).get("kv", [])]
+        predictions = {i: rec["prediction"] for i, rec in all_records.items()}
+
+        t_score = time.perf_counter()
+        scores = task_obj.score(items, predictions, rules)
+        score_s = time.perf_counter() - t_score
+        total_new = sum(v["new_items"] for v in per_rank.values())
+        gen_wall = max(v["generate_s"] for v in per_rank.values())
+        results: dict[str, Any] = {
+            "task": task_obj.name,
+            "primary_metric": task_obj.primary_metric,
+            "primary": task_obj.primary(scores),
+            "config": asdict(run),
+            "versions": _versions(),
+            "counts": {
+                "items": len(items),
+                "predictions": sum(1 for it in items if it.id in predictions),
+                "missing": sum(1 for it in items if it.id not in predictions),
+                "new_tokens": sum(int(rec.get("new_tokens", 0)) for rec in all_records.values()),
+            },
+            "scores": scores,
+            "kv": summarize_kv(all_kv),
+            "timings": {
+                **(extra_timings or {}),
+                "generate_s": gen_wall,
+                **{f"kv_{k}": sum(r.get(k) or 0.0 for r in all_kv) for k in KV_TIME_KEYS if all_kv},
+                "score_s": score_s,
+                "total_s": time.perf_counter() - t_start + sum((extra_timings or {}).values()),
+                "items_per_s": total_new / gen_wall if gen_wall > 0 and total_new else None,
+            },
+            "run": {
+                "world_size": world,
+                "device": str(model.device),
+                "new_items": total_new,
+                "per_rank": per_rank,
+            },
+        }
+        if multi_turn:
+            # the primary score of the questions asked at each turn: does a cache compressed once hold up?
+            turns: dict[int, list[Item]] = {}
+            for it in items:
+                t = all_records.get(it.id, {}).get("turn")
+                if t is not None:
+                    turns.setdefault(int(t), []).append(it)
+            results["scores_by_turn"] = {
+                str(t): {"primary": task_obj.primary(task_obj.score(its, predictions, rules)), "items": len(its)}
+                for t, its in sorted(turns.items())
+            }
+        if out is not None and state.is_main_process:
+            official = task_obj.write_predictions(out / "predictions_official", items, predictions)
+            results["official_predictions"] = official.name
+            atomic_write_json(out / "results.json", results)
+        state.wait_for_everyone()
+        return results
     finally:
-        if appender is not None:
-            appender.close()
         if wrapped:
             remove_method(model)
-    gen_s = time.perf_counter() - t_gen
-
-    # every rank contributes its stride; all_gather so every rank can return the same results
-    gathered = gather_object([(rank, list(records.values()), gen_s, n_new)])
-    all_records: dict[str, dict] = {}
-    per_rank = {}
-    for r, recs, gs, nn in gathered:
-        for rec in recs:
-            all_records[rec["id"]] = rec
-        per_rank[str(r)] = {"items": len(recs), "new_items": nn, "generate_s": gs}
-    all_kv = [all_records[it.id]["kv"] for it in items if "kv" in all_records.get(it.id, {})]
-    predictions = {i: rec["prediction"] for i, rec in all_records.items()}
-
-    t_score = time.perf_counter()
-    scores = task_obj.score(items, predictions)
-    score_s = time.perf_counter() - t_score
-    total_new = sum(v["new_items"] for v in per_rank.values())
-    gen_wall = max(v["generate_s"] for v in per_rank.values())
-    results: dict[str, Any] = {
-        "task": task_obj.name,
-        "primary_metric": task_obj.primary_metric,
-        "primary": task_obj.primary(scores),
-        "config": asdict(run),
-        "versions": _versions(),
-        "counts": {
-            "items": len(items),
-            "predictions": sum(1 for it in items if it.id in predictions),
-            "missing": sum(1 for it in items if it.id not in predictions),
-            "new_tokens": sum(int(rec.get("new_tokens", 0)) for rec in all_records.values()),
-        },
-        "scores": scores,
-        "kv": summarize_kv(all_kv),
-        "timings": {
-            **(extra_timings or {}),
-            "generate_s": gen_wall,
-            **{f"kv_{k}": sum(r.get(k) or 0.0 for r in all_kv) for k in KV_TIME_KEYS if all_kv},
-            "score_s": score_s,
-            "total_s": time.perf_counter() - t_start + sum((extra_timings or {}).values()),
-            "items_per_s": total_new / gen_wall if gen_wall > 0 and total_new else None,
-        },
-        "run": {
-            "world_size": world,
-            "device": str(model.device),
-            "new_items": total_new,
-            "per_rank": per_rank,
-        },
-    }
-    if multi_turn:
-        # the primary score of the questions asked at each turn: does a cache compressed once hold up?
-        turns: dict[int, list[Item]] = {}
-        for it in items:
-            t = all_records.get(it.id, {}).get("turn")
-            if t is not None:
-                turns.setdefault(int(t), []).append(it)
-        results["scores_by_turn"] = {
-            str(t): {"primary": task_obj.primary(task_obj.score(its, predictions)), "items": len(its)}
-            for t, its in sorted(turns.items())
-        }
-    if out is not None and state.is_main_process:
-        official = task_obj.write_predictions(out / "predictions_official", items, predictions)
-        results["official_predictions"] = official.name
-        atomic_write_json(out / "results.json", results)
-    state.wait_for_everyone()
-    return results
+        if lock is not None:
+            lock.release()
 
 
 def score_file(task: str, data: str | Path, predictions_file: str | Path, out: str | Path | None = None,
-               limit: int | None = None, data_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+               limit: int | None = None, data_options: dict[str, Any] | None = None,
+               rules: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Score another toolkit's predictions file with our rules (no model)."""
+    _check_count("--limit", limit)
     task_obj = get_task(task)
+    task_obj.rule(rules)  # an unknown scoring rule fails before the data are read
     data_path = resolve_data(data)
     data_options = {k: v for k, v in (data_options or {}).items() if v is not None}
     items = task_obj.load(data_path, limit=limit, **data_options)
     preds = task_obj.read_predictions(Path(predictions_file), items)
     unknown = len(set(preds) - {it.id for it in items})
-    scores = task_obj.score(items, preds)
+    scores = task_obj.score(items, preds, rules)
     results = {
         "task": task_obj.name,
         "primary_metric": task_obj.primary_metric,
