@@ -9,6 +9,9 @@ Each configuration is timed with `generate(max_new_tokens=1)` (prefill) and
 `generate(max_new_tokens=1 + T)`; decode time per token = the difference / T. Configurations are
 interleaved within each repeat (so machine load hits them alike) and the median over repeats is kept.
 Ratios are against the plain (unwrapped) model measured in the same run.
+A second table gives, per wrapped configuration, the memory of its last request (`mm_oval.stats`): the KV
+kept as a share of the prompt's, and what the cache and the method hold (allocated: KV storage with its
+decode slots, page summaries, slot/page tables, method state) against the plain cache of that request.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from PIL import Image
 
 import mm_oval
 from mm_oval.config import OvalConfig
+from mm_oval.stats import get_stats
 
 # a random LLaVA of LLaVA-1.5's prompt length (336 px, patch 14: 576 image tokens) and a mid-sized LM
 MID = dict(image_size=336, patch_size=14, vision_hidden=256, vision_layers=2, vision_heads=4, text_hidden=1024,
@@ -121,12 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in configs.values():  # warm-up
         run(cfg, 2)
     times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in configs}
+    memory: dict[str, dict] = {}
     for _ in range(args.repeats):
         for key, cfg in configs.items():
             t1 = run(cfg, 1)
             tn = run(cfg, 1 + args.new_tokens)
             times[key]["prefill"].append(t1)
             times[key]["decode"].append((tn - t1) / args.new_tokens)
+            if cfg is not None:
+                s = get_stats(model)
+                memory[key] = {
+                    "kv_fraction_kept": s["kv_fraction_kept"],
+                    "allocated_vs_plain": s["allocated_vs_plain"],
+                    "plain_cache_bytes": s["plain_cache_bytes"],
+                    "allocated_bytes": s["allocated_bytes"],
+                }
     mm_oval.unwrap(model)
 
     rows = []
@@ -153,6 +166,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['config']:<24}{r['prefill_ms']:>12.2f}{r['decode_ms_per_token']:>15.2f}"
             f"{r['prefill_ratio']:>11.2f}{r['decode_ratio']:>10.2f}"
         )
+    mib = 2.0**20
+    print(f"\nmemory of the last request ({args.new_tokens} new tokens); MiB, x = against the plain cache")
+    print(
+        f"{'config':<24}{'kept x':>8}{'alloc x':>9}{'plain':>9}{'kv':>9}{'summaries':>11}"
+        f"{'metadata':>10}{'method':>9}"
+    )
+    for key, m in memory.items():
+        a = m["allocated_bytes"]
+        kept = m["kv_fraction_kept"]
+        print(
+            f"{key:<24}{kept if kept is not None else float('nan'):>8.3f}{m['allocated_vs_plain']:>9.3f}"
+            f"{m['plain_cache_bytes'] / mib:>9.2f}{a['kv'] / mib:>9.2f}{a['summaries'] / mib:>11.2f}"
+            f"{a['metadata'] / mib:>10.2f}{a['method_state'] / mib:>9.2f}"
+        )
+    for r in rows:
+        if r["config"] in memory:
+            r["memory"] = memory[r["config"]]
     if args.out:
         payload = {
             "model": name,
