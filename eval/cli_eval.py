@@ -79,6 +79,15 @@ def generation_options(args: argparse.Namespace) -> dict:
     }
 
 
+def add_rules_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--rules",
+        help="scoring rule where the official sources disagree (default: the task's first). VQAv2: "
+        "lmms-eval (default), vqaeval (VQA master a013f00), vqaeval-2017 (c4e6a0e); MMBench: opencompass; "
+        "TextVQA: m4c; POPE: llava",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", required=True, help="local path or Hub id of a LLaVA model ('bundled' = the tiny one)"
@@ -89,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--budget", help="KV budget of the method: a fraction (0.25) or a token count (64)")
     add_generation_arguments(parser)
+    add_rules_argument(parser)
     parser.add_argument(
         "--out", required=True, help="output directory (resumable: rerun with the same --out)"
     )
@@ -110,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=args.out,
         **generation_options(args),
         extra_timings={"model_load_s": load_s},
+        rules=args.rules,
     )
     from .runner import process_state
 

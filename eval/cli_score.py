@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_eval import add_data_arguments, data_options, print_summary
+from .cli_eval import add_data_arguments, add_rules_argument, data_options, print_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,15 +15,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='VQAv2/TextVQA: JSON [{"question_id", "answer"}]; MMBench: TSV/CSV/XLSX with index and prediction; '
         "POPE: JSONL with question_id and text",
     )
+    add_rules_argument(parser)
     parser.add_argument("--out", help="write the results JSON here (a folder or a .json path)")
+
+
+def rule_line(scores: dict) -> str:
+    """Which rule, from which source revision, produced the numbers."""
+    r = scores.get("rules")
+    if not r:
+        return "rules: not recorded"
+    src = r["source"]
+    return f"rules: {r['name']} ({src['repository']} @ {src['commit']}, {src['file']})"
 
 
 def run(args: argparse.Namespace) -> int:
     from .runner import score_file
 
     results = score_file(args.task, args.data, args.predictions, out=args.out, limit=args.limit,
-                         data_options=data_options(args))  # fmt: skip
+                         data_options=data_options(args), rules=args.rules)  # fmt: skip
     print_summary(results)
+    print(rule_line(results["scores"]))
+    for note in results["scores"].get("undefined", []):
+        print(f"undefined: {note}")
     c = results["counts"]
     print(
         f"{c['predictions']} of {c['items']} questions have a prediction ({c['unknown_ids']} unknown ids ignored)"

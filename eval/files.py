@@ -1,5 +1,5 @@
 """File helpers shared by the tasks and the runner: atomic writes, crash-safe JSONL appends, tables
-(TSV / CSV / XLSX) and images, each failing with a `DataError` that names the file and the row."""
+(TSV / CSV / XLSX, read with pandas as the official tools read them) and images, each failing with a `DataError` that names the file and the row."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -81,38 +82,55 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
 
 
-def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
-    path = Path(path)
+def _not_utf8(what: str, path: Path, e: UnicodeDecodeError) -> DataError:
+    return DataError(
+        f"{what} {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+        "re-save it as UTF-8"
+    )
+
+
+def _read_text(path: Path, what: str) -> str:
+    """The file as text: UTF-8, with or without a byte-order mark; anything else is a DataError."""
     if not path.is_file():
         raise DataError(f"{what} not found: {path}")
+    data = path.read_bytes()
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        if data.startswith(b"\xef\xbb\xbf"):  # offsets counted in the file, not after the mark
+            e = UnicodeDecodeError(e.encoding, data, e.start + 3, e.end + 3, e.reason)
+        raise _not_utf8(what, path, e) from None
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    path = Path(path)
+    text = _read_text(path, what)
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(
             f"{what} {path} is not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}"
         ) from e
+    except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
+        raise DataError(f"{what} {path} is not valid JSON: {e}") from e
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> list[dict]:
     """Every line of a JSONL file as a dict; a corrupt line is an error naming its line number."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{what} not found: {path}")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{what} {path}, line {lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(row, dict):
-                raise DataError(
-                    f"{what} {path}, line {lineno}: expected a JSON object, got {type(row).__name__}"
-                )
-            rows.append(row)
+    for lineno, line in enumerate(_read_text(path, what).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{what} {path}, line {lineno}: not valid JSON ({e.msg})") from e
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{what} {path}, line {lineno}: not valid JSON ({e})") from e
+        if not isinstance(row, dict):
+            raise DataError(f"{what} {path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
     return rows
 
 
@@ -194,60 +212,42 @@ def iter_records(path: Path) -> Iterator[dict]:
     yield from _scan_jsonl(path)[0]
 
 
-def read_table(path: str | os.PathLike, what: str = "table") -> list[dict[str, str | None]]:
-    """Rows of a TSV / CSV / XLSX file as dicts keyed by the header; empty cells are None."""
+def read_table(path: str | os.PathLike, what: str = "table") -> list[dict[str, Any]]:
+    """Rows of a TSV / CSV / XLSX file read as the official MMBench tools read them (pandas with its
+    defaults: `read_csv(sep="\\t")`, `read_csv`, `read_excel`), as dicts keyed by the header. So numbers
+    come back as int / float, and the cells pandas treats as missing (empty, "NA", "N/A", "NaN", "None",
+    "null", ... its default `na_values`) come back as float NaN (see `is_missing`)."""
+    import pandas as pd
+
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{what} not found: {path}")
     suffix = path.suffix.lower()
-    if suffix in (".xlsx", ".xlsm"):
-        return _read_xlsx(path, what)
-    delimiter = "," if suffix == ".csv" else "\t"
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f, delimiter=delimiter)
-        try:
-            header = next(reader)
-        except StopIteration:
-            raise DataError(f"{what} {path} is empty") from None
-        rows = []
-        for lineno, cells in enumerate(reader, 2):
-            if not cells or all(not c for c in cells):
-                continue
-            if len(cells) != len(header):
-                raise DataError(
-                    f"{what} {path}, row {lineno}: {len(cells)} cells but the header has {len(header)} "
-                    f"(a tab or newline inside a cell, or a truncated file?)"
-                )
-            rows.append({h: (c if c != "" else None) for h, c in zip(header, cells)})
-    return rows
-
-
-def _read_xlsx(path: Path, what: str) -> list[dict[str, str | None]]:
-    from openpyxl import load_workbook
-
     try:
-        wb = load_workbook(path, read_only=True, data_only=True)
-    except Exception as e:  # openpyxl raises many types for a damaged file
-        raise DataError(f"{what} {path} could not be read as an Excel workbook: {e}") from e
-    ws = wb.worksheets[0]
-    it = ws.iter_rows(values_only=True)
-    try:
-        header = [str(h) if h is not None else "" for h in next(it)]
-    except StopIteration:
+        if suffix in (".xlsx", ".xlsm"):
+            frame = pd.read_excel(path)
+        else:
+            frame = pd.read_csv(path, sep="," if suffix == ".csv" else "\t")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(what, path, e) from None
+    except pd.errors.EmptyDataError:
         raise DataError(f"{what} {path} is empty") from None
-    rows = []
-    for cells in it:
-        if cells is None or all(c is None for c in cells):
-            continue
-        rows.append({h: (None if c is None else _cell_str(c)) for h, c in zip(header, cells)})
-    wb.close()
-    return rows
+    except pd.errors.ParserError as e:
+        raise DataError(
+            f"{what} {path} could not be parsed ({e}; a tab or newline inside a cell, or a truncated file?)"
+        ) from e
+    except Exception as e:  # openpyxl and the parsers raise many types for a damaged file
+        raise DataError(f"{what} {path} could not be read as a table: {type(e).__name__}: {e}") from e
+    return [{str(k): v for k, v in row.items()} for row in frame.to_dict("records")]
 
 
-def _cell_str(c: Any) -> str:
-    if isinstance(c, float) and c.is_integer():
-        return str(int(c))
-    return str(c)
+def is_missing(cell: Any) -> bool:
+    """`pandas.isna` on one cell of `read_table`: what the official tools treat as an empty cell."""
+    if cell is None:
+        return True
+    if isinstance(cell, float):
+        return math.isnan(cell)
+    return type(cell).__name__ in ("NAType", "NaTType")
 
 
 def write_table(path: str | os.PathLike, rows: Iterable[dict], columns: list[str]) -> None:

@@ -7,7 +7,13 @@
   words is exactly "No", "not" or "no", else "yes" (so "NO" and "Nope" read as yes, as in the script).
 - Metrics per category (positive = yes): accuracy, precision, recall, F1, yes-ratio; papers report the
   mean over the categories (random / popular / adversarial), given here as `mean_over_categories`.
-  Where the script would divide by zero (no predicted or no true positives) the value is 0.
+- One rule, `llava`: haotian-liu/LLaVA c121f04, llava/eval/eval_pope.py.
+- A question without an answer counts as answered wrongly (the opposite of its label: a false negative
+  for a yes question, a false positive for a no question), never as "yes"; `num_missing_predictions`
+  says how many. A predictions file that answers none of the questions is an error.
+- Where the script would divide by zero (no yes predictions: precision; no yes labels: recall;
+  precision + recall = 0: F1; no questions: accuracy and yes-ratio) the value is None and `undefined`
+  says which and why, instead of a 0 that reads like a measurement.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 from ..errors import DataError
 from .files import atomic_write_text, open_image, read_jsonl
-from .tasks import SHORT_ANSWER_PROMPT, Item, Task
+from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task
 from .vqa import find_image_dir
 
 log = logging.getLogger(__name__)
@@ -37,29 +43,61 @@ def yes_no(text: str) -> str:
     return "yes"
 
 
-def binary_metrics(preds: list[int], labels: list[int]) -> dict[str, float | int]:
+POPE_RULES = (
+    Rule(
+        "llava",
+        "haotian-liu/LLaVA",
+        "c121f0432da27facab705978f83c4ada465e46fd",
+        "llava/eval/eval_pope.py",
+        "yes unless the first sentence has the word No/no/not; precision, recall, F1 with yes positive",
+    ),
+)
+METRICS = ("accuracy", "precision", "recall", "f1", "yes_ratio")
+
+
+def binary_metrics(preds: list[int], labels: list[int]) -> dict[str, Any]:
+    """eval_pope's figures (in percent); a ratio the script would divide by zero for is None, and
+    `undefined` names it."""
     tp = sum(1 for p, g in zip(preds, labels) if p == 1 and g == 1)
     fp = sum(1 for p, g in zip(preds, labels) if p == 1 and g == 0)
     tn = sum(1 for p, g in zip(preds, labels) if p == 0 and g == 0)
     fn = sum(1 for p, g in zip(preds, labels) if p == 0 and g == 1)
-    precision = tp / (tp + fp) if tp + fp else 0.0
-    recall = tp / (tp + fn) if tp + fn else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     n = len(preds)
-    return {
-        "accuracy": 100.0 * (tp + tn) / n if n else 0.0,
-        "precision": 100.0 * precision,
-        "recall": 100.0 * recall,
-        "f1": 100.0 * f1,
-        "yes_ratio": 100.0 * sum(preds) / n if n else 0.0,
-        "TP": tp, "FP": fp, "TN": tn, "FN": fn, "count": n,
+    undefined: list[str] = []
+
+    def ratio(num: float, den: float, name: str, why: str) -> float | None:
+        if den:
+            return num / den
+        undefined.append(f"{name}: {why}")
+        return None
+
+    precision = ratio(tp, tp + fp, "precision", "no question was answered yes (TP + FP = 0)")
+    recall = ratio(tp, tp + fn, "recall", "no question has the label yes (TP + FN = 0)")
+    if precision is None or recall is None:
+        f1 = None
+        undefined.append("f1: precision or recall is undefined")
+    else:
+        f1 = ratio(2 * precision * recall, precision + recall, "f1", "precision + recall = 0 (TP = 0)")
+    accuracy = ratio(tp + tn, n, "accuracy", "no questions")
+    yes_ratio = ratio(sum(preds), n, "yes_ratio", "no questions")
+
+    def pct(x: float | None) -> float | None:
+        return None if x is None else 100.0 * x
+
+    out: dict[str, Any] = {
+        "accuracy": pct(accuracy), "precision": pct(precision), "recall": pct(recall), "f1": pct(f1),
+        "yes_ratio": pct(yes_ratio), "TP": tp, "FP": fp, "TN": tn, "FN": fn, "count": n,
     }  # fmt: skip
+    if undefined:
+        out["undefined"] = undefined
+    return out
 
 
 class POPETask(Task):
     name = "pope"
     primary_metric = "f1"
     predictions_format = 'JSONL rows {"question_id", "text"} (LLaVA\'s answers file)'
+    rules = POPE_RULES
 
     def load(self, data: Path, limit: int | None = None, images: str | None = None, **_: Any) -> list[Item]:
         if data.is_file():
@@ -85,9 +123,17 @@ class POPETask(Task):
                     raise DataError(
                         f"{path}, line {lineno}: missing field {e} (need question_id, image, text, label)"
                     ) from e
+                if not isinstance(text, str) or not isinstance(image, str):
+                    raise DataError(f"{path}, line {lineno}: text and image must be text")
+                if isinstance(qid, (bool, list, dict)) or qid is None:
+                    raise DataError(
+                        f"{path}, line {lineno}: question_id {qid!r} is neither a number nor a name"
+                    )
                 if str(label).lower() not in ("yes", "no"):
                     raise DataError(f"{path}, line {lineno}: label {label!r} is not 'yes' or 'no'")
                 category = file_category or row.get("category") or "all"
+                if not isinstance(category, str):
+                    raise DataError(f"{path}, line {lineno}: category {category!r} is not text")
                 prompt = text if SHORT_ANSWER_PROMPT in text else f"{text}\n{SHORT_ANSWER_PROMPT}"
                 img = image_dir / image
                 items.append(
@@ -106,12 +152,17 @@ class POPETask(Task):
             raise DataError(f"{data}: question_id values repeat; POPE ids must be unique within a file")
         return items
 
-    def score(self, items: list[Item], predictions: dict[str, str]) -> dict[str, Any]:
+    def score(
+        self, items: list[Item], predictions: dict[str, str], rules: str | None = None
+    ) -> dict[str, Any]:
+        rule = self.rule(rules)
         by_cat: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         all_p, all_l = [], []
         for it in items:
-            p = 0 if yes_no(predictions.get(it.id, "")) == "no" else 1
             g = 0 if it.meta["label"] == "no" else 1
+            text = predictions.get(it.id)
+            # no answer: wrong, whatever the label (an empty answer would read as "yes")
+            p = 1 - g if text is None else (0 if yes_no(text) == "no" else 1)
             by_cat[it.meta["category"]][0].append(p)
             by_cat[it.meta["category"]][1].append(g)
             all_p.append(p)
@@ -119,11 +170,13 @@ class POPETask(Task):
         out: dict[str, Any] = binary_metrics(all_p, all_l)
         per = {c: binary_metrics(p, g) for c, (p, g) in sorted(by_cat.items())}
         out["per_category"] = per
-        keys = ("accuracy", "precision", "recall", "f1", "yes_ratio")
-        out["mean_over_categories"] = (
-            {k: sum(m[k] for m in per.values()) / len(per) for k in keys} if per else {}
-        )
+        mean: dict[str, float | None] = {}
+        for k in METRICS:
+            vals = [m[k] for m in per.values()]
+            mean[k] = sum(vals) / len(vals) if vals and None not in vals else None
+        out["mean_over_categories"] = mean
         out["num_missing_predictions"] = sum(it.id not in predictions for it in items)
+        out["rules"] = rule.record()
         return out
 
     def read_predictions(self, path: Path, items: list[Item]) -> dict[str, str]:
@@ -134,13 +187,28 @@ class POPETask(Task):
         for lineno, r in enumerate(rows, 1):
             if "question_id" not in r or "text" not in r:
                 raise DataError(f'{path}, line {lineno}: needs "question_id" and "text"')
+            if not isinstance(r["text"], str):
+                raise DataError(f"{path}, line {lineno}: text {r['text']!r} is not text")
             key = str(r["question_id"])
             if key not in ids and "category" in r:
                 key = f"{r['category']}/{key}"
+            if key in out:
+                raise DataError(f"{path}, line {lineno}: a second answer to question {key}")
             if key in ids:
-                out[key] = str(r["text"])
+                out[key] = r["text"]
             else:
                 unknown += 1
+        if not out and items:
+            folder = any("/" in i for i in ids)
+            raise DataError(
+                f"{path}: none of its {len(rows)} answers names a question in the data"
+                + (
+                    " (with the coco_pope_<category>.json folder the ids are '<category>/<question_id>': give "
+                    'each answer the "category" of its question, as LLaVA\'s question file has it)'
+                    if folder
+                    else "; are these answers for another question file?"
+                )
+            )
         if unknown:
             log.warning("%s: %d answers name questions that are not in the data; ignored", path, unknown)
         return out

@@ -30,6 +30,30 @@ class Item:
     group: str | None = None
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A named scoring rule and the published source it reproduces (repository, commit, file).
+
+    Where the official sources disagree a task offers several; `score` records the one it used."""
+
+    name: str
+    repository: str
+    commit: str
+    file: str
+    summary: str
+
+    def record(self) -> dict[str, Any]:
+        """What results.json stores: the name and the source revision."""
+        return {
+            "name": self.name,
+            "source": {"repository": self.repository, "commit": self.commit, "file": self.file},
+            "summary": self.summary,
+        }
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.repository} @ {self.commit[:10]}, {self.file})"
+
+
 class Task(ABC):
     name: ClassVar[str]
     # short answers: greedy decoding stops at EOS long before this; it only bounds runaway outputs
@@ -37,6 +61,8 @@ class Task(ABC):
     primary_metric: ClassVar[str]
     # predictions-file formats `mm-oval score` reads for this task (for the help text)
     predictions_format: ClassVar[str] = ""
+    # the scoring rules this task offers, the default first
+    rules: ClassVar[tuple[Rule, ...]]
 
     @abstractmethod
     def load(self, data: Path, limit: int | None = None, **paths: Any) -> list[Item]:
@@ -44,8 +70,22 @@ class Task(ABC):
         all their rotations)."""
 
     @abstractmethod
-    def score(self, items: list[Item], predictions: dict[str, str]) -> dict[str, Any]:
-        """Scores by the official rules. Items without a prediction count as wrong."""
+    def score(
+        self, items: list[Item], predictions: dict[str, str], rules: str | None = None
+    ) -> dict[str, Any]:
+        """Scores by the named rule (`None`: the task's default), recorded under "rules". Items without a
+        prediction count as wrong unless the rule's source drops them (then the count says how many)."""
+
+    def rule(self, name: str | None = None) -> Rule:
+        """The rule called `name` (None: the default); an unknown name is a ConfigError listing the valid ones."""
+        if name is None:
+            return self.rules[0]
+        for r in self.rules:
+            if r.name == name:
+                return r
+        raise ConfigError(
+            f"unknown scoring rule {name!r} for {self.name}; choose one of: {', '.join(r.name for r in self.rules)}"
+        )
 
     @abstractmethod
     def read_predictions(self, path: Path, items: list[Item]) -> dict[str, str]:

@@ -6,6 +6,9 @@ punctuation rule (with its own comma regex `(?<=\\d)(\\,)+(?=\\d)`); the same mi
 re.UNICODE as count; number words -> digits, articles dropped, contractions expanded. The score of a
 prediction is the leave-one-out average of min(1, #matching other answers / 3) over the ten answers,
 and the accuracy is the plain mean over questions (no rounding; LLaVA prints it with 2 decimals).
+One rule, `m4c`: haotian-liu/LLaVA c121f04, llava/eval/m4c_evaluator.py (`TextVQAAccuracyEvaluator`).
+It asserts ten answers per question, so a question with another number of answers (or a non-text
+answer) is a DataError naming the file and the entry.
 
 Differences from VQAv2's normaliser (vqa.py): the human answers are always fully normalised (lowercase,
 digits, articles), and the prediction also loses ',' '?' and gets "'s" split off.
@@ -13,32 +16,30 @@ digits, articles), and the prediction also loses ',' '?' and gets "'s" split off
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
 from .files import atomic_write_json, open_image, read_json
-from .tasks import SHORT_ANSWER_PROMPT, Item, Task, find_one
-from .vqa import find_image_dir, process_digit_article, process_punctuation, read_vqa_results
+from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task, find_one
+from .vqa import (  # noqa: F401  (the EvalAI processor is TextVQA's normaliser; re-exported here)
+    EVALAI_COMMA_STRIP,
+    evalai_normalize,
+    evalai_word_tokenize,
+    find_image_dir,
+    read_vqa_results,
+)
 
-# EvalAIAnswerProcessor's tables equal vqaEval.py's master tables (checked entry by entry);
-# only the comma regex differs
-EVALAI_COMMA_STRIP = re.compile(r"(?<=\d)(\,)+(?=\d)")
-
-
-def evalai_word_tokenize(word: str) -> str:
-    word = word.lower()
-    word = word.replace(",", "").replace("?", "").replace("'s", " 's")
-    return word.strip()
-
-
-def evalai_normalize(item: str) -> str:
-    """`EvalAIAnswerProcessor.__call__`."""
-    item = evalai_word_tokenize(item)
-    item = item.replace("\n", " ").replace("\t", " ").strip()
-    item = process_punctuation(item, EVALAI_COMMA_STRIP)
-    return process_digit_article(item)
+TEXTVQA_RULES = (
+    Rule(
+        "m4c",
+        "haotian-liu/LLaVA",
+        "c121f0432da27facab705978f83c4ada465e46fd",
+        "llava/eval/m4c_evaluator.py",
+        "EvalAI answer processor on the prediction and on each of the ten answers; leave-one-out soft score",
+    ),
+)
+NUM_ANSWERS = 10  # TextVQAAccuracyEvaluator asserts len(answers) == 10
 
 
 def textvqa_accuracy(prediction: str, raw_answers: list[str]) -> float:
@@ -59,6 +60,7 @@ class TextVQATask(Task):
     name = "textvqa"
     primary_metric = "accuracy"
     predictions_format = 'JSON list [{"question_id", "answer"}]'
+    rules = TEXTVQA_RULES
 
     def load(
         self,
@@ -85,26 +87,41 @@ class TextVQATask(Task):
         ocr_tokens: dict[str, list[str]] = {}
         if ocr:
             ocr_blob = read_json(ocr, "OCR file")
-            for i, e in enumerate(ocr_blob.get("data", []) if isinstance(ocr_blob, dict) else []):
-                try:
-                    ocr_tokens[str(e["image_id"])] = list(e["ocr_tokens"])
-                except (KeyError, TypeError) as err:
-                    raise DataError(f"{ocr}, data[{i}]: needs image_id and ocr_tokens") from err
+            if not isinstance(ocr_blob, dict) or not isinstance(ocr_blob.get("data"), list):
+                raise DataError(f"{ocr}: expected a JSON object with a 'data' list (the Rosetta OCR layout)")
+            for i, e in enumerate(ocr_blob["data"]):
+                tokens = e.get("ocr_tokens") if isinstance(e, dict) else None
+                if (
+                    not isinstance(tokens, list)
+                    or not all(isinstance(t, str) for t in tokens)
+                    or "image_id" not in e
+                ):
+                    raise DataError(f"{ocr}, data[{i}]: needs image_id and a list of ocr_tokens (text)")
+                ocr_tokens[str(e["image_id"])] = tokens
         items = []
+        seen: dict[str, int] = {}
         for i, e in enumerate(blob["data"]):
-            try:
-                qid, question, image_id, answers = (
-                    e["question_id"],
-                    e["question"],
-                    e["image_id"],
-                    e["answers"],
-                )
-            except (KeyError, TypeError) as err:
+            if not isinstance(e, dict) or not {"question_id", "question", "image_id", "answers"} <= set(e):
+                raise DataError(f"{path}, data[{i}]: needs question_id, question, image_id and answers")
+            qid, question, image_id, answers = e["question_id"], e["question"], e["image_id"], e["answers"]
+            if isinstance(qid, bool) or not isinstance(qid, (int, str)):
+                raise DataError(f"{path}, data[{i}]: question_id {qid!r} is neither a number nor a name")
+            if not isinstance(question, str) or isinstance(image_id, (bool, list, dict)) or image_id is None:
+                raise DataError(f"{path}, data[{i}]: question must be text and image_id a name or number")
+            if (
+                not isinstance(answers, list)
+                or len(answers) != NUM_ANSWERS
+                or not all(isinstance(a, str) for a in answers)
+            ):
+                got = f"{len(answers)} answers" if isinstance(answers, list) else type(answers).__name__
                 raise DataError(
-                    f"{path}, data[{i}]: needs question_id, question, image_id and answers ({err})"
-                ) from err
-            if not isinstance(answers, list) or not answers:
-                raise DataError(f"{path}, data[{i}]: 'answers' must be a non-empty list of strings")
+                    f"{path}, data[{i}] (question_id {qid}): needs a list of {NUM_ANSWERS} answers (text), "
+                    f"got {got}; the official evaluator (m4c_evaluator.py) asserts ten"
+                )
+            key = str(qid)
+            if key in seen:
+                raise DataError(f"{path}, data[{i}]: question_id {qid} repeats data[{seen[key]}]")
+            seen[key] = i
             prompt = question
             if ocr:
                 # LLaVA-1.5's TextVQA prompt with OCR tokens
@@ -118,7 +135,7 @@ class TextVQATask(Task):
                     id=str(qid),
                     prompt=prompt,
                     image=(lambda p=img: open_image(p)),
-                    meta={"answers": [str(a) for a in answers], "question": question},
+                    meta={"answers": list(answers), "question": question},
                     group=str(image_id),
                 )
             )
@@ -126,13 +143,17 @@ class TextVQATask(Task):
                 break
         return items
 
-    def score(self, items: list[Item], predictions: dict[str, str]) -> dict[str, Any]:
+    def score(
+        self, items: list[Item], predictions: dict[str, str], rules: str | None = None
+    ) -> dict[str, Any]:
+        rule = self.rule(rules)
         scores = [textvqa_accuracy(predictions.get(it.id, ""), it.meta["answers"]) for it in items]
-        acc = sum(scores) / len(scores) if scores else 0.0
         return {
-            "accuracy": 100.0 * acc,
+            # the evaluator divides by the number of predictions: undefined (None) without questions
+            "accuracy": 100.0 * sum(scores) / len(scores) if scores else None,
             "num_questions": len(items),
             "num_missing_predictions": sum(it.id not in predictions for it in items),
+            "rules": rule.record(),
         }
 
     def read_predictions(self, path: Path, items: list[Item]) -> dict[str, str]:

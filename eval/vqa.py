@@ -1,25 +1,37 @@
-"""VQAv2: data loading and accuracy exactly as the challenge's own evaluation script computes it.
+"""VQAv2: data loading and accuracy under three named rules, because the official sources disagree.
 
-The normaliser reproduces `PythonEvaluationTools/vqaEvaluation/vqaEval.py` of the VQA repository
-(GT-Vision-Lab/VQA, master, the Python 3 revision c4e6a0e) line by line, quirks included:
+Every rule computes the same leave-one-out accuracy: each of the human answers is left out in turn (the
+scripts compare the answer dicts), the prediction scores min(1, #matching others / 3), the scores are
+averaged; overall / per question type / per answer type are round(100 * mean, 2). They differ in what
+is normalised before matching (`--rules`, default `lmms-eval`):
 
-- the prediction: newlines/tabs -> spaces, strip, `processPunctuation`, then `processDigitArticle`;
-- `processPunctuation`: for each character of its 21-entry list, delete it when the *original* text has
-  it next to a space or contains a digit-comma-digit, else replace it by a space; then the period regex
-  `(?!<=\\d)(\\.)(?!\\d)` - its look-behind is misspelt as a look-ahead, so every '.' not followed by a
-  digit goes - applied with `re.UNICODE` passed as the *count* (at most 32 periods removed);
-  `'` and `:` are not in the list;
-- `processDigitArticle`: lowercase, split on whitespace, number words zero..ten (and 'none') -> digits,
-  drop a/an/the, expand the contractions map (apostrophe-less keys -> "don't" etc.);
-- the ten human answers get `processPunctuation` only, and only when they are not all identical
-  (so they are never lowercased, and ten identical "hot-dog" match no prediction);
-- leave-one-out: each of the ten answers is left out in turn (the script compares the answer dicts),
-  the prediction scores min(1, #matching others / 3), and the ten scores are averaged;
-- overall / per question type / per answer type: round(100 * mean, 2).
+- `lmms-eval` (EvolvingLMMs-Lab/lmms-eval 7548ebe, lmms_eval/tasks/vqav2/utils.py, `vqav2_val`): the
+  prediction first goes through the whole EvalAI answer processor (lowercase, drop ',' and '?', "'s" ->
+  " 's", punctuation, digits/articles/contractions); the answers are newline/tab-stripped; then master's
+  rule below with the processor's own punctuation and digit/article steps. LLaVA's
+  scripts/convert_vqav2_for_submission.py also runs the EvalAI processor before the challenge server
+  scores, so this is the rule published LLaVA-1.5 val numbers are compared against.
+- `vqaeval` (GT-Vision-Lab/VQA master a013f00 "Fixed processing answers bug",
+  PythonEvaluationTools/vqaEvaluation/vqaEval.py): answers and prediction are newline/tab-stripped;
+  when the answers differ, both sides get `processPunctuation` then `processDigitArticle`; when they
+  are all identical, neither side is normalised (so "YES" does not match ten "yes").
+- `vqaeval-2017` (GT-Vision-Lab/VQA c4e6a0e, the Python 3 head of an unmerged pull request; its rule
+  equals master from 458a8b2, 2016, up to a013f00): the prediction always gets `processPunctuation`
+  then `processDigitArticle`; the answers get `processPunctuation` only, and only when they differ (so
+  ten identical "hot-dog" match no prediction).
 
-An earlier (Python 2) revision of the script used a different punctuation list (with ':' and "'"
-and without '-', '!', '{', '}') and curly apostrophes in some contraction values; the master revision
-above is what is reproduced here. TextVQA uses another normaliser (see textvqa.py).
+The tables and quirks are reproduced, not fixed (checked entry by entry against both revisions and
+lmms-eval's `EvalAIAnswerProcessor`): `processPunctuation` deletes each of its 21 marks when the
+*original* text has it next to a space or contains a digit-comma-digit, else replaces it by a space
+(`'` and `:` are not in the list); the period regex `(?!<=\\d)(\\.)(?!\\d)` has its look-behind
+misspelt as a look-ahead, so every '.' not followed by a digit goes, and is applied with `re.UNICODE`
+passed as the *count* (at most 32 periods removed); `processDigitArticle` lowercases, maps number words
+(and 'none') to digits, drops a/an/the and expands the contractions map. The EvalAI processor differs
+only in its comma regex `(?<=\\d)(\\,)+(?=\\d)` and its word-tokenising first step.
+
+As in the VQA API (`VQA.getQuesIds` iterates the annotations), questions without an annotation are not
+scored: they are counted (`num_questions_without_annotations`) and logged. A repeated question_id (in
+the questions, annotations or results file) is an error, never a silent replacement.
 """
 
 from __future__ import annotations
@@ -30,9 +42,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from .files import atomic_write_json, open_image, read_json
-from .tasks import SHORT_ANSWER_PROMPT, Item, Task, find_one
+from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task, find_one
 
 log = logging.getLogger(__name__)
 
@@ -127,32 +139,97 @@ def process_digit_article(in_text: str) -> str:
     return " ".join(out_text)
 
 
+# EvalAIAnswerProcessor's tables equal vqaEval.py's (checked entry by entry); only the comma regex differs
+EVALAI_COMMA_STRIP = re.compile(r"(?<=\d)(\,)+(?=\d)")
+
+
+def evalai_word_tokenize(word: str) -> str:
+    word = word.lower()
+    word = word.replace(",", "").replace("?", "").replace("'s", " 's")
+    return word.strip()
+
+
+def evalai_normalize(item: str) -> str:
+    """`EvalAIAnswerProcessor.__call__` (lmms-eval, LLaVA's m4c_evaluator, MMF)."""
+    item = evalai_word_tokenize(item)
+    item = item.replace("\n", " ").replace("\t", " ").strip()
+    item = process_punctuation(item, EVALAI_COMMA_STRIP)
+    return process_digit_article(item)
+
+
+def _strip(text: str) -> str:
+    return text.replace("\n", " ").replace("\t", " ").strip()
+
+
 def normalize_prediction(answer: str) -> str:
-    """What `VQAEval.evaluate` does to a predicted answer before matching."""
-    answer = answer.replace("\n", " ").replace("\t", " ").strip()
-    return process_digit_article(process_punctuation(answer))
+    """What `VQAEval.evaluate` of the 2017 revision does to a predicted answer before matching."""
+    return process_digit_article(process_punctuation(_strip(answer)))
 
 
 def normalize_ground_truth(answers: list[str]) -> list[str]:
-    """What `VQAEval.evaluate` does to the ten human answers: punctuation only, and only when they differ."""
+    """What the 2017 revision does to the human answers: punctuation only, and only when they differ."""
     if len(set(answers)) > 1:
         return [process_punctuation(a) for a in answers]
     return list(answers)
 
 
-def vqa_accuracy(prediction: str, gt_answers: list[dict] | list[str]) -> float:
+VQA_RULES = (
+    Rule(
+        "lmms-eval",
+        "EvolvingLMMs-Lab/lmms-eval",
+        "7548ebe112b01da4973f854b1c3d3c1c44abd5a9",
+        "lmms_eval/tasks/vqav2/utils.py",
+        "EvalAI answer processor on the prediction, then vqaEval master's rule with the processor's steps",
+    ),
+    Rule(
+        "vqaeval",
+        "GT-Vision-Lab/VQA",
+        "a013f0043c1e2cdc995922dfe257f7149aa9af06",
+        "PythonEvaluationTools/vqaEvaluation/vqaEval.py",
+        "both sides normalised when the answers differ, neither when they are identical",
+    ),
+    Rule(
+        "vqaeval-2017",
+        "GT-Vision-Lab/VQA",
+        "c4e6a0e4e84b9702d99800d3393652d92b5df224",
+        "PythonEvaluationTools/vqaEvaluation/vqaEval.py",
+        "prediction always normalised; answers punctuation-processed only, and only when they differ",
+    ),
+)
+VQA_RULE_NAMES = tuple(r.name for r in VQA_RULES)
+
+
+def normalize_pair(prediction: str, answers: list[str], rule: str = "lmms-eval") -> tuple[str, list[str]]:
+    """The prediction and the human answers as `rule` compares them."""
+    if rule == "vqaeval-2017":
+        return normalize_prediction(prediction), normalize_ground_truth(answers)
+    if rule not in VQA_RULE_NAMES:
+        raise ConfigError(f"unknown VQAv2 rule {rule!r}; choose one of: {', '.join(VQA_RULE_NAMES)}")
+    answers = [_strip(a) for a in answers]
+    if rule == "lmms-eval":
+        pred = evalai_normalize(prediction)
+        comma = EVALAI_COMMA_STRIP
+    else:
+        pred = _strip(prediction)
+        comma = COMMA_STRIP
+    if len(set(answers)) > 1:
+        answers = [process_digit_article(process_punctuation(a, comma)) for a in answers]
+        pred = process_digit_article(process_punctuation(pred, comma))
+    return pred, answers
+
+
+def vqa_accuracy(prediction: str, gt_answers: list[dict] | list[str], rule: str = "lmms-eval") -> float:
     """Accuracy of one prediction (0..1, unrounded) against the human answers of one question.
 
     `gt_answers` are the annotation's answer dicts ({answer, answer_confidence, answer_id}) or plain
-    strings. As in the script, "leaving one out" removes every entry equal to the left-out one (with
+    strings. As in the scripts, "leaving one out" removes every entry equal to the left-out one (with
     real annotations the answer ids make each entry unique)."""
     dicts = [dict(a) if isinstance(a, dict) else {"answer": a, "_pos": i} for i, a in enumerate(gt_answers)]
     if not dicts:
         raise DataError("a VQA question has no human answers")
-    processed = normalize_ground_truth([d["answer"] for d in dicts])
+    res, processed = normalize_pair(prediction, [d["answer"] for d in dicts], rule)
     for d, a in zip(dicts, processed):
         d["answer"] = a
-    res = normalize_prediction(prediction)
     accs = []
     for left_out in dicts:
         others = [d for d in dicts if d != left_out]
@@ -216,10 +293,49 @@ def _image_loader(path: Path):
     return lambda: open_image(path)
 
 
+def question_id(value: Any, where: str) -> int:
+    """A VQA question id: an integer (or a string of digits), as the official files hold."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise DataError(f"{where}: question_id {value!r} is not an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise DataError(f"{where}: question_id {value!r} is not an integer") from None
+
+
+def _answers(ann: Any, where: str) -> list[dict]:
+    answers = ann.get("answers") if isinstance(ann, dict) else None
+    if (
+        not isinstance(answers, list)
+        or not answers
+        or not all(isinstance(a, dict) and isinstance(a.get("answer"), str) for a in answers)
+    ):
+        raise DataError(f"{where}: 'answers' must be a non-empty list of {{\"answer\": text, ...}}")
+    return answers
+
+
+def _question(q: Any, where: str) -> tuple[int, int | str, str]:
+    if not isinstance(q, dict) or not {"question_id", "image_id", "question"} <= set(q):
+        raise DataError(f"{where}: needs question_id, image_id and question")
+    qid = question_id(q["question_id"], where)
+    if not isinstance(q["question"], str):
+        raise DataError(f"{where}: question must be text, got {type(q['question']).__name__}")
+    if isinstance(q["image_id"], bool) or not isinstance(q["image_id"], (int, str)):
+        raise DataError(f"{where}: image_id {q['image_id']!r} is neither a number nor a name")
+    return qid, q["image_id"], q["question"]
+
+
+def _list_in(blob: Any, key: str, path: Path, what: str) -> list:
+    if not isinstance(blob, dict) or not isinstance(blob.get(key), list):
+        raise DataError(f"{path}: expected a JSON object with a {key!r} list (the VQAv2 {what} layout)")
+    return blob[key]
+
+
 class VQAv2Task(Task):
     name = "vqav2"
     primary_metric = "overall"
     predictions_format = 'JSON list [{"question_id", "answer"}] (the official results format)'
+    rules = VQA_RULES
 
     def load(
         self,
@@ -231,6 +347,7 @@ class VQAv2Task(Task):
         image_map: str | None = None,
         **_: Any,
     ) -> list[Item]:
+        self.load_counts: dict[str, int] = {}
         q_path = Path(questions) if questions else find_one(data, ["*questions*.json"], "VQA questions")
         a_path: Path | None = Path(annotations) if annotations else None
         folder = data if data.is_dir() else data.parent
@@ -238,76 +355,68 @@ class VQAv2Task(Task):
             a_path = find_one(folder, ["*annotations*.json"], "VQA annotations")
         image_dir = find_image_dir(data, images, ("images", "val2014", "test2015"))
         mapping = read_json(image_map, "image mapping") if image_map else None
-        qs = read_json(q_path, "VQA questions file")
-        if not isinstance(qs, dict) or "questions" not in qs:
-            raise DataError(f"{q_path}: expected a JSON object with a 'questions' list (the VQAv2 layout)")
+        if mapping is not None and not isinstance(mapping, dict):
+            raise DataError(f"{image_map}: expected a JSON object {{image_id: file name}}")
+        by_qid: dict[int, tuple[int | str, str]] = {}
+        first_at: dict[int, int] = {}
+        for i, q in enumerate(
+            _list_in(read_json(q_path, "VQA questions file"), "questions", q_path, "questions")
+        ):
+            qid, image_id, question = _question(q, f"{q_path}, questions[{i}]")
+            if qid in by_qid:
+                raise DataError(
+                    f"{q_path}, questions[{i}]: question_id {qid} repeats questions[{first_at[qid]}]; "
+                    "each question needs its own id"
+                )
+            by_qid[qid], first_at[qid] = (image_id, question), i
         if a_path is None:
             # test-dev / test: no answers to score; predictions are written in the submission format
             log.info("%s: no annotations file; predicting only (submit predictions_official.json)", q_path)
-            return self._unlabeled(qs, q_path, image_dir, mapping, limit)
-        anns = read_json(a_path, "VQA annotations file")
-        if not isinstance(anns, dict) or "annotations" not in anns:
-            raise DataError(f"{a_path}: expected a JSON object with an 'annotations' list (the VQAv2 layout)")
-        by_qid: dict[int, dict] = {}
-        for i, q in enumerate(qs["questions"]):
-            try:
-                by_qid[int(q["question_id"])] = q
-                q["question"], q["image_id"]  # noqa: B018
-            except (KeyError, TypeError, ValueError) as e:
-                raise DataError(
-                    f"{q_path}, questions[{i}]: needs question_id, image_id and question ({e})"
-                ) from e
-        items: list[Item] = []
+            return self._items([(qid, None, None, None) for qid in by_qid], by_qid, image_dir, mapping, limit)
+        anns = _list_in(read_json(a_path, "VQA annotations file"), "annotations", a_path, "annotations")
+        rows: list[tuple[int, list[dict], Any, Any]] = []
+        seen: dict[int, int] = {}
         # evaluation order = the annotation file's order (VQA.getQuesIds)
-        for i, ann in enumerate(anns["annotations"]):
-            try:
-                qid = int(ann["question_id"])
-                answers = ann["answers"]
-                if not isinstance(answers, list) or not answers or not all("answer" in a for a in answers):
-                    raise ValueError("'answers' must be a non-empty list of {answer, ...}")
-            except (KeyError, TypeError, ValueError) as e:
-                raise DataError(f"{a_path}, annotations[{i}]: {e}") from e
-            q = by_qid.get(qid)
-            if q is None:
-                raise DataError(f"{a_path}, annotations[{i}]: question_id {qid} is not in {q_path}")
-            path = coco_image_path(image_dir, q["image_id"], mapping)
-            items.append(
-                Item(
-                    id=str(qid),
-                    prompt=f"{q['question']}\n{SHORT_ANSWER_PROMPT}",
-                    image=_image_loader(path),
-                    meta={
-                        "answers": answers,
-                        "question_type": ann.get("question_type"),
-                        "answer_type": ann.get("answer_type"),
-                        "question": q["question"],
-                        "image_path": str(path),
-                    },
-                    group=str(q["image_id"]),
-                )
-            )
-            if limit is not None and len(items) >= limit:
-                break
-        return items
+        for i, ann in enumerate(anns):
+            where = f"{a_path}, annotations[{i}]"
+            if not isinstance(ann, dict) or "question_id" not in ann:
+                raise DataError(f"{where}: needs question_id and answers")
+            qid = question_id(ann["question_id"], where)
+            answers = _answers(ann, where)
+            if qid in seen:
+                raise DataError(f"{where}: question_id {qid} repeats annotations[{seen[qid]}]")
+            seen[qid] = i
+            if qid not in by_qid:
+                raise DataError(f"{where}: question_id {qid} is not in {q_path}")
+            rows.append((qid, answers, ann.get("question_type"), ann.get("answer_type")))
+        unannotated = len(by_qid) - len(seen)
+        self.load_counts = {
+            "num_questions_in_file": len(by_qid),
+            "num_questions_without_annotations": unannotated,
+        }
+        if unannotated:
+            log.warning(
+                "%s: %d of its %d questions have no annotation in %s and are not scored (as in the VQA API)",
+                q_path, unannotated, len(by_qid), a_path,
+            )  # fmt: skip
+        return self._items(rows, by_qid, image_dir, mapping, limit)
 
-    def _unlabeled(
-        self, qs: dict, q_path: Path, image_dir: Path, mapping: dict | None, limit: int | None
+    def _items(
+        self, rows: list, by_qid: dict, image_dir: Path, mapping: dict | None, limit: int | None
     ) -> list[Item]:
-        items = []
-        for i, q in enumerate(qs["questions"]):
-            try:
-                qid, image_id, question = int(q["question_id"]), q["image_id"], q["question"]
-            except (KeyError, TypeError, ValueError) as e:
-                raise DataError(
-                    f"{q_path}, questions[{i}]: needs question_id, image_id and question ({e})"
-                ) from e
+        items: list[Item] = []
+        for qid, answers, question_type, answer_type in rows:
+            image_id, question = by_qid[qid]
             path = coco_image_path(image_dir, image_id, mapping)
+            meta: dict[str, Any] = {"answers": answers, "question": question, "image_path": str(path)}
+            if answers is not None:
+                meta.update(question_type=question_type, answer_type=answer_type)
             items.append(
                 Item(
                     id=str(qid),
                     prompt=f"{question}\n{SHORT_ANSWER_PROMPT}",
                     image=_image_loader(path),
-                    meta={"answers": None, "question": question, "image_path": str(path)},
+                    meta=meta,
                     group=str(image_id),
                 )
             )
@@ -315,13 +424,17 @@ class VQAv2Task(Task):
                 break
         return items
 
-    def score(self, items: list[Item], predictions: dict[str, str]) -> dict[str, Any]:
+    def score(
+        self, items: list[Item], predictions: dict[str, str], rules: str | None = None
+    ) -> dict[str, Any]:
+        rule = self.rule(rules)
         if any(it.meta["answers"] is None for it in items):
             return {
                 "overall": None,
                 "num_questions": len(items),
                 "num_missing_predictions": sum(it.id not in predictions for it in items),
                 "note": "no annotations: submit predictions_official.json to the evaluation server",
+                "rules": rule.record(),
             }
         rows = []
         missing = 0
@@ -332,7 +445,7 @@ class VQAv2Task(Task):
                 pred = ""
             rows.append(
                 (
-                    vqa_accuracy(pred, it.meta["answers"]),
+                    vqa_accuracy(pred, it.meta["answers"], rule.name),
                     it.meta.get("question_type"),
                     it.meta.get("answer_type"),
                 )
@@ -340,6 +453,8 @@ class VQAv2Task(Task):
         out = aggregate(rows)
         out["num_questions"] = len(items)
         out["num_missing_predictions"] = missing
+        out.update(getattr(self, "load_counts", {}))
+        out["rules"] = rule.record()
         return out
 
     def read_predictions(self, path: Path, items: list[Item]) -> dict[str, str]:
@@ -354,15 +469,24 @@ class VQAv2Task(Task):
 
 
 def read_vqa_results(path: Path) -> dict[str, str]:
-    """The official results format: a JSON list of {"question_id", "answer"}."""
+    """The official results format: a JSON list of {"question_id", "answer"}; a repeated id is an error."""
     res = read_json(path, "VQA results file")
     if not isinstance(res, list):
         raise DataError(
             f'{path}: expected a JSON list of {{"question_id", "answer"}} (the VQA results format)'
         )
     out: dict[str, str] = {}
+    first: dict[str, int] = {}
     for i, r in enumerate(res):
         if not isinstance(r, dict) or "question_id" not in r or "answer" not in r:
             raise DataError(f'{path}, entry {i}: needs "question_id" and "answer"')
-        out[str(int(r["question_id"]))] = str(r["answer"])
+        if not isinstance(r["answer"], str):
+            raise DataError(f"{path}, entry {i}: answer {r['answer']!r} is not text")
+        qid = r["question_id"]
+        if isinstance(qid, bool) or not isinstance(qid, (int, str)):
+            raise DataError(f"{path}, entry {i}: question_id {qid!r} is neither a number nor a name")
+        key = str(int(qid)) if isinstance(qid, int) or qid.isdecimal() else qid
+        if key in out:
+            raise DataError(f"{path}, entry {i}: question_id {qid!r} repeats entry {first[key]}")
+        out[key], first[key] = r["answer"], i
     return out
