@@ -74,7 +74,7 @@ def test_init_from_continues_another_runs_weights_with_a_fresh_schedule(tmp_path
     log = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
     assert log[0]["stage"] == "init" and log[0]["from_step"] == 1
     assert not any(r.get("stage") == "vision" for r in log)  # no vision / projector stage again
-    state = torch.load(tmp_path / "b" / "train_state.ckpt.pt", weights_only=False)
+    state = torch.load(tmp_path / "b" / "train_state.ckpt.pt", weights_only=True)  # plain data only
     assert state["step"] == 1
 
 

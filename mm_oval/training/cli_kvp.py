@@ -79,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
     p.add_argument("--device", default=None, help="device for capture (default: cuda if available)")
+    p.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
+    )
 
 
 def parse_features(text: str) -> tuple[str, ...]:
@@ -91,23 +96,18 @@ def parse_features(text: str) -> tuple[str, ...]:
     return feats
 
 
-def load_model(spec: str, device: str | None = None):
+def load_model(spec: str, device: str | None = None, allow_pickle_weights: bool = False):
+    """The model (fp16 on CUDA, fp32 elsewhere; SDPA attention) and processor, through the checked loader:
+    the model type is checked before anything is built."""
     import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    if spec == "bundled":
-        from ..zoo import bundled_model_path
+    from ..modelfiles import load_llava
 
-        spec = str(bundled_model_path())
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    model = (
-        LlavaForConditionalGeneration.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa")
-        .to(device)
-        .eval()
+    return load_llava(
+        spec, device, dtype, attn_implementation="sdpa", allow_pickle_weights=allow_pickle_weights
     )
-    processor = AutoProcessor.from_pretrained(spec)
-    return model, processor
 
 
 def _bar(total: int, desc: str):
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     train_cfg = TrainConfig(
         steps=args.steps, batch_samples=args.batch, rankings=args.rankings, lr=args.lr, seed=args.seed
     )
-    model, processor = load_model(args.model, args.device)
+    model, processor = load_model(args.model, args.device, args.allow_pickle_weights)
     sig = model_signature(model)
     fu = args.followups if args.data.startswith("zoo") else 0
     train_samples = load_samples(args.data, limit=args.samples, seed=args.seed, followups=fu)

@@ -54,17 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is fastest for tiny models)"
     )
+    parser.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
+    )
 
 
-def _load_model(name: str | None, device: str):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+def _load_model(name: str | None, device: str, allow_pickle_weights: bool = False):
+    from ..modelfiles import load_llava
 
-    if name is None:
-        from ..zoo import bundled_model_path
-
-        name = str(bundled_model_path())
-    model = LlavaForConditionalGeneration.from_pretrained(name).to(device).eval()
-    return model, AutoProcessor.from_pretrained(name)
+    return load_llava(name or "bundled", device, "auto", allow_pickle_weights=allow_pickle_weights)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, processor = _load_model(args.model, args.device)
+    model, processor = _load_model(args.model, args.device, args.allow_pickle_weights)
     encoder = None
     if args.clip_model:
         encoder = OpenClipPageEncoder(args.clip_model, args.clip_pretrained, args.device)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DataError, ResultsError
+from ..modelfiles import load_checkpoint
 from ..policies.base import PAD, PrefillContext
 from ..policies.kvp import (
     KVPAgentConfig,
@@ -269,7 +270,13 @@ def train_agents(
     settings = {"agent": asdict(agent_cfg), "train": asdict(cfg), "num_traces": len(traces)}
     settings = json.loads(json.dumps(settings))  # tuples -> lists, as stored
     if ckpt_path is not None and ckpt_path.is_file():
-        ck = torch.load(ckpt_path, weights_only=False)
+        ck = load_checkpoint(ckpt_path, "KVP training checkpoint")
+        expected = {"settings", "agents", "ema", "optimizer", "step", "history"}
+        if not expected <= set(ck):
+            raise DataError(
+                f"{ckpt_path} is not a KVP training checkpoint (it lacks {sorted(expected - set(ck))}); "
+                "use another --out directory or delete it to start over"
+            )
         if ck["settings"] != settings:
             raise ResultsError(
                 f"{ckpt_path} belongs to a run with other settings ({ck['settings']}); "

@@ -89,16 +89,14 @@ def first_token_answers(model, processor, items: list[dict], data_dir: Path, bla
 
 def grounding_report(model_path: str | Path | None = None, data_dir: str | Path | None = None, limit: int | None = None,
                      model=None, processor=None) -> dict:  # fmt: skip
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
+    from ..modelfiles import load_llava
     from . import bundled_data_dir, bundled_model_path
 
     data_dir = Path(data_dir) if data_dir else bundled_data_dir()
     items = load_vqa_items(data_dir, limit)
     if model is None:
         model_path = Path(model_path) if model_path else bundled_model_path()
-        model = LlavaForConditionalGeneration.from_pretrained(model_path, attn_implementation="eager").eval()
-        processor = AutoProcessor.from_pretrained(model_path)
+        model, processor = load_llava(model_path, attn_implementation="eager")
     preds, attn = first_token_answers(model, processor, items, data_dir, want_attention=True)
     blank_preds, _ = first_token_answers(model, processor, items, data_dir, blank=True)
 

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
+from ..modelfiles import load_checkpoint
 from . import circuit
 from .generate import COLORS, GRID, LETTERS, MMB_SUFFIX, SHAPES, VQA_SUFFIX, Question, TrainSampler
 from .model import TinyLlavaSizes, build_tiny_llava
@@ -764,10 +765,16 @@ class Trainer:
 
     def _load_state(self, path: str | Path, opt) -> dict:
         """Load a train_state.ckpt.pt's model, probe and optimiser state; return the whole state."""
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.probe.load_state_dict(state["probe"])
-        opt.load_state_dict(state["opt"])
+        state = load_checkpoint(path, "training state")
+        missing = {"model", "probe", "opt", "step", "elapsed", "config"} - set(state)
+        if missing:
+            raise DataError(f"{path} is not a zoo training state (it lacks {sorted(missing)})")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.probe.load_state_dict(state["probe"])
+            opt.load_state_dict(state["opt"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path} was written for a model or optimiser of another shape ({e})") from e
         return state
 
     def _save_state(self, opt, step: int, elapsed: float) -> None:

@@ -1,0 +1,190 @@
+"""Checked loading of model folders and training checkpoints.
+
+`load_llava` is the one loader every command uses (eval, sweep, chat, train-kvp, train-router, zoo check):
+- the model type is read from the config before any weights are built (a non-LLaVA config would otherwise
+  become a default-sized LLaVA-7B);
+- a local folder is checked on disk first: its config, its safetensors weights (present, complete, every
+  shard of a sharded index), its processor files. A folder holding only pickled `*.bin` weights is refused
+  unless `allow_pickle_weights` is set (transformers then reads them with `torch.load(weights_only=True)`);
+- weights the checkpoint lacks (which transformers would silently initialise at random) are an error;
+- Hub ids that are not local folders go to transformers as they are, safetensors only unless allowed.
+  `trust_remote_code` is never passed: a config that needs custom code is refused.
+
+`load_checkpoint` reads a training checkpoint with `torch.load(weights_only=True)`: only tensors and plain
+data (dicts, lists, numbers, strings) come back; anything that would need pickle to run code is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import DataError, ModelError
+
+logger = logging.getLogger(__name__)
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+PICKLE_FLAG = "--allow-pickle-weights"
+_SAVE_HINT = (
+    "write it again with `model.save_pretrained(DIR)` and `processor.save_pretrained(DIR)`, or pass a Hub id "
+    "such as llava-hf/llava-1.5-7b-hf, or `bundled`"
+)
+
+
+def _brief(e: BaseException) -> str:
+    """An exception's text on one line (the CLI prints errors as one line)."""
+    return " ".join(str(e).split())
+
+
+def resolve_model_path(spec: str | Path) -> str:
+    """`bundled` -> the bundled tiny LLaVA's folder; anything else as given (a local path or a Hub id)."""
+    if str(spec) == "bundled":
+        from .zoo import bundled_model_path
+
+        return str(bundled_model_path())
+    return str(spec)
+
+
+def _check_safetensors(path: Path, folder: Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise ModelError(f"model folder {folder} lacks the weights file {path.name}: {_SAVE_HINT}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        raise ModelError(
+            f"model folder {folder}: {path.name} is truncated or corrupt ({_brief(e)}); download or save it again"
+        ) from e
+
+
+def check_weight_files(folder: str | Path, allow_pickle_weights: bool = False) -> None:
+    """Check a local model folder's weights on disk (cheap: headers only). Raises ModelError."""
+    folder = Path(folder)
+    index = folder / SAFE_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelError(
+                f"model folder {folder}: {SAFE_INDEX} is not a valid shard index ({_brief(e)})"
+            ) from e
+        for shard in shards:
+            _check_safetensors(folder / shard, folder)
+        return
+    if (folder / SAFE_WEIGHTS).exists():
+        _check_safetensors(folder / SAFE_WEIGHTS, folder)
+        return
+    pickled = sorted(p.name for p in folder.glob("*.bin"))
+    if pickled:
+        if not allow_pickle_weights:
+            raise ModelError(
+                f"model folder {folder} holds only pickled PyTorch weights ({', '.join(pickled)}); mm-oval expects "
+                f"{SAFE_WEIGHTS}. Convert them (load once and `save_pretrained`, which writes safetensors), or "
+                f"pass {PICKLE_FLAG} (allow_pickle_weights=True) if you trust the files"
+            )
+        logger.warning(
+            "model folder %s holds only pickled weights (%s); loading them because pickled weights were "
+            "allowed (transformers reads them with torch.load(weights_only=True)). safetensors is expected",
+            folder,
+            ", ".join(pickled),
+        )
+        return
+    raise ModelError(f"model folder {folder} holds no weights (expected {SAFE_WEIGHTS}): {_SAVE_HINT}")
+
+
+def load_llava(
+    spec: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str | None = None,
+    allow_pickle_weights: bool = False,
+) -> tuple[Any, Any]:
+    """(LlavaForConditionalGeneration, processor) of a local folder, a Hub id or `bundled`, checked as the
+    module docstring says. Every failure a user can cause is a ModelError naming the folder."""
+    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+
+    path = resolve_model_path(spec)
+    local = Path(path)
+    is_local = local.is_dir()
+    if is_local and not (local / "config.json").is_file():
+        raise ModelError(f"{path} is not a model folder (no config.json): {_SAVE_HINT}")
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot load a model config from {path!r}: {_brief(e)}") from e
+    if cfg.model_type != "llava":
+        raise ModelError(
+            f"{path!r} is a {cfg.model_type!r} model; mm-oval runs LLaVA-style models "
+            "(LlavaForConditionalGeneration, e.g. llava-hf/llava-1.5-7b-hf or --model bundled)"
+        )
+    if is_local:
+        check_weight_files(local, allow_pickle_weights)
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ModelError(
+            f"cannot load the processor (tokenizer and image processor) of {path}: {_brief(e)}; save it beside the "
+            "weights with `processor.save_pretrained(DIR)`"
+        ) from e
+    if getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None:
+        raise ModelError(
+            f"{path}'s processor is a {type(processor).__name__}, not a LLaVA processor with a tokenizer and "
+            "an image processor; save the model's processor beside it with `processor.save_pretrained(DIR)`"
+        )
+    kwargs: dict[str, Any] = {"config": cfg, "dtype": dtype, "output_loading_info": True}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if not allow_pickle_weights:
+        kwargs["use_safetensors"] = True
+    from safetensors import SafetensorError
+
+    try:
+        model, info = LlavaForConditionalGeneration.from_pretrained(path, **kwargs)
+    except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+        hint = (
+            ""
+            if allow_pickle_weights
+            else f" (only safetensors weights are read; {PICKLE_FLAG} allows *.bin)"
+        )
+        raise ModelError(f"cannot load the weights of {path}{hint}: {_brief(e)}") from e
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys") or ())
+    if missing or mismatched:
+        shown = ", ".join((missing + mismatched)[:5]) + (" ..." if len(missing) + len(mismatched) > 5 else "")
+        raise ModelError(
+            f"the weights of {path} do not cover the model its config describes ({len(missing)} missing, "
+            f"{len(mismatched)} of another shape: {shown}); transformers would fill them with random values. "
+            "Download or save the model again"
+        )
+    return model.to(device).eval(), processor
+
+
+def load_checkpoint(path: str | Path, what: str = "checkpoint") -> dict:
+    """A training checkpoint written with `torch.save` of tensors and plain data, read with
+    `weights_only=True`. A missing, truncated or pickle-only file is a DataError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise DataError(
+            f"{what} {path} holds objects other than tensors and plain data (it may come from an older mm-oval "
+            "or another program); it is not loaded, since unpickling it could run code. Start over without it "
+            "(delete it or use another output directory)"
+        ) from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise DataError(
+            f"{what} {path} is truncated or not a PyTorch checkpoint ({_brief(e)}); delete it to start over"
+        ) from e
+    if not isinstance(state, dict):
+        raise DataError(f"{what} {path} holds a {type(state).__name__}, not a checkpoint dict")
+    return state
