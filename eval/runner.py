@@ -117,21 +117,14 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str = "auto",
     attn_implementation: str | None = None,
+    allow_pickle_weights: bool = False,
 ) -> tuple[Any, Any]:
-    """`LlavaForConditionalGeneration.from_pretrained` + `AutoProcessor.from_pretrained` of a local
-    path or Hub id (`bundled` = the bundled tiny LLaVA). Non-LLaVA models are rejected up front."""
-    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+    """The model and processor of a local folder or Hub id (`bundled` = the bundled tiny LLaVA), through the
+    project's checked loader (`mm_oval.modelfiles.load_llava`): non-LLaVA models are rejected before any
+    weights are built; missing or truncated weights and processor files are a ModelError; a folder with only
+    pickled `*.bin` weights needs `allow_pickle_weights`."""
+    from mm_oval.modelfiles import load_llava
 
-    path = resolve_model_path(model)
-    try:
-        cfg = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load a model config from {path!r}: {e}") from e
-    if cfg.model_type != "llava":
-        raise ModelError(
-            f"{path!r} is a {cfg.model_type!r} model; mm-oval evaluates LLaVA-style models "
-            "(LlavaForConditionalGeneration, e.g. llava-hf/llava-1.5-7b-hf or --model bundled)"
-        )
     if device is None:
         device = process_state().device
     device = torch.device(device)
@@ -144,12 +137,13 @@ def load_model(
             ]
         except KeyError:
             raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, float16, bfloat16") from None
-    kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    net = LlavaForConditionalGeneration.from_pretrained(path, **kwargs).to(device).eval()
-    processor = AutoProcessor.from_pretrained(path)
-    return net, processor
+    return load_llava(
+        model,
+        device,
+        torch_dtype,
+        attn_implementation=attn_implementation,
+        allow_pickle_weights=allow_pickle_weights,
+    )
 
 
 def check_llava(model: Any) -> None:
