@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MmOvalError
 from ..stats import iter_tensors
 
 # modality codes used everywhere (cache, policies, stats)
@@ -181,6 +181,8 @@ def make_eviction(name: str, **options: Any) -> EvictionPolicy:
     try:
         return EVICTION_REGISTRY[name](**options)
     except TypeError as e:
+        if isinstance(e, MmOvalError):  # ModelError is a TypeError: a policy's own error, not bad options
+            raise
         raise ConfigError(f"bad options {options} for eviction method {name!r}: {e}") from e
 
 
@@ -192,6 +194,8 @@ def make_retrieval(name: str, **options: Any) -> RetrievalPolicy:
     try:
         return RETRIEVAL_REGISTRY[name](**options)
     except TypeError as e:
+        if isinstance(e, MmOvalError):  # ModelError is a TypeError: a policy's own error, not bad options
+            raise
         raise ConfigError(f"bad options {options} for retrieval method {name!r}: {e}") from e
 
 

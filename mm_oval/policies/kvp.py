@@ -418,44 +418,73 @@ def load_agents(directory: str | Path, device: str | torch.device | None = None)
             f"{directory} holds no KVP agents (expected {CONFIG_NAME} and {WEIGHTS_NAME}); "
             "train them with `mm-oval train-kvp --model ... --data ... --out DIR`"
         )
+    from safetensors import SafetensorError
+
     try:
         cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelError(f"{cfg_path} is not valid JSON ({e}); retrain or restore the agents") from e
-    if cfg.get("format") != FORMAT or int(cfg.get("version", -1)) > FORMAT_VERSION:
-        raise ModelError(
-            f"{cfg_path} is not a KVP agents config this mm-oval can read ({cfg.get('format')!r})"
-        )
-    acfg = KVPAgentConfig(**cfg["agent"])
+    if (
+        not isinstance(cfg, dict)
+        or cfg.get("format") != FORMAT
+        or int(cfg.get("version", -1)) > FORMAT_VERSION
+    ):
+        fmt = cfg.get("format") if isinstance(cfg, dict) else type(cfg).__name__
+        raise ModelError(f"{cfg_path} is not a KVP agents config this mm-oval can read ({fmt!r})")
+    try:
+        acfg = KVPAgentConfig(**cfg["agent"])
+        if not isinstance(cfg["model"], dict):
+            raise TypeError("'model' is not a dict")
+    except (KeyError, TypeError) as e:
+        raise ModelError(f"{cfg_path} is incomplete ({e}); retrain or restore the agents") from e
     agents = KVPAgents(acfg)
-    state = load_file(str(directory / WEIGHTS_NAME))
+    weights = directory / WEIGHTS_NAME
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"{weights} is truncated or corrupt ({e}); retrain or restore the agents") from e
     missing = set(agents.state_dict()) - set(state)
     if missing:
-        raise ModelError(f"{directory / WEIGHTS_NAME} lacks {sorted(missing)}; the agents file is incomplete")
-    agents.load_state_dict(state)
+        raise ModelError(f"{weights} lacks {sorted(missing)}; the agents file is incomplete")
+    try:
+        agents.load_state_dict(state)
+    except RuntimeError as e:
+        raise ModelError(f"{weights} does not match {cfg_path} ({e}); retrain or restore the agents") from e
     agents.eval().requires_grad_(False)
     if device is not None:
         agents.to(device)
     return LoadedAgents(agents, cfg["model"], cfg.get("training", {}), str(directory))
 
 
-def check_signature(trained_for: dict, actual: dict, source: str = "") -> None:
-    """Raise ModelError when agents trained for `trained_for` are used on a model with signature `actual`."""
-    keys = ("num_layers", "num_kv_heads", "head_dim", "num_heads")
+SHAPE_KEYS = ("num_layers", "num_kv_heads", "head_dim", "num_heads")
+_KVP_HINT = (
+    "these agents belong to another model; train agents for this one with "
+    "`mm-oval train-kvp --model <model> --data <data> --out <dir>` and pass agents=<dir>"
+)
+
+
+def check_signature(
+    trained_for: dict,
+    actual: dict,
+    source: str = "",
+    what: str = "KVP agents",
+    hint: str = _KVP_HINT,
+    keys: tuple[str, ...] = SHAPE_KEYS,
+    check_weights: bool = True,
+) -> None:
+    """Raise ModelError when `what` (KVP agents, a router) trained for a model with signature `trained_for`
+    is used on a model with signature `actual` (both `model_signature` dicts): other shapes (`keys`) or, with
+    `check_weights`, other weights (the per-layer k_proj / v_proj probe). The message names both."""
     shape_a = {k: trained_for.get(k) for k in keys}
     shape_b = {k: actual.get(k) for k in keys}
-    hint = (
-        "these agents belong to another model; train agents for this one with "
-        "`mm-oval train-kvp --model <model> --data <data> --out <dir>` and pass agents=<dir>"
-    )
     if shape_a != shape_b:
         raise ModelError(
-            f"KVP agents {source} were trained for a model of shape {shape_a}, got {shape_b}: {hint}"
+            f"{what} {source}: trained for a model of shape {shape_a}, this model has shape {shape_b}: {hint}"
         )
     pa, pb = trained_for.get("probe") or [], actual.get("probe") or []
-    if pa and pb and not all(_probe_matches(a, b) for a, b in zip(pa, pb)):
+    if check_weights and pa and pb and not all(_probe_matches(a, b) for a, b in zip(pa, pb)):
         raise ModelError(
-            f"KVP agents {source} were trained for model {trained_for.get('name_or_path') or '?'} "
+            f"{what} {source}: trained for model {trained_for.get('name_or_path') or '?'} "
             f"(fingerprint {trained_for.get('fingerprint')}), this model's weights differ "
             f"(fingerprint {actual.get('fingerprint')}): {hint}"
         )
@@ -517,8 +546,15 @@ class KVPPolicy(EvictionPolicy):
             self.bind(model)
 
     def bind(self, model: Any) -> None:
+        """Check the agents against `model` at once (shape, and weights unless `check_weights=False`);
+        `mm_oval.wrap` calls this."""
         if self.loaded.model:
-            check_signature(self.loaded.model, model_signature(model), self.loaded.source)
+            check_signature(
+                self.loaded.model,
+                model_signature(model),
+                self.loaded.source,
+                check_weights=self.check_weights,
+            )
         self._checked_layers = set(range(self.agents.config.num_layers))
 
     def _check_layer(self, ctx: PrefillContext) -> None:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, DataError, ModelError
+from . import kvp
 from .base import IMAGE, DecodeContext, PageBatch, RetrievalPolicy, register_retrieval
 
 log = logging.getLogger(__name__)
@@ -71,34 +72,63 @@ class RouterConfig:
             raise ConfigError(f"router config: locality_tau must be > 0, got {self.locality_tau}")
 
 
+_HINT = "train a router for this model with `mm-oval train-router --model <model> --out <dir>`"
+# the shapes a router depends on: its output rows (layers x KV heads) and its input width
+SHAPE_KEYS = (*kvp.SHAPE_KEYS, "hidden_size")
+
+
 def model_signature(model: Any) -> dict[str, Any]:
-    """What identifies the model a router was trained for: its shapes and a digest of its token embeddings."""
+    """What identifies the model a router was trained for: the KVP agents' signature (shapes and the per-layer
+    k_proj / v_proj fingerprint, `mm_oval.policies.kvp.model_signature`) plus the model type and vocabulary."""
+    cfg = model.config
+    text = kvp.text_config_of(model)
+    return {
+        **kvp.model_signature(model),
+        "model_type": str(getattr(cfg, "model_type", "")),
+        "vocab_size": int(text.vocab_size),
+    }
+
+
+def _legacy_signature(model: Any) -> dict[str, Any]:
+    """The signature routers saved before the fingerprint: shapes and an exact digest of the embeddings."""
     cfg = model.config
     text = getattr(cfg, "text_config", cfg)
     emb = model.get_input_embeddings().weight.detach()
-    digest = hashlib.sha256(emb.float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
     return {
-        "name": str(getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "")),
         "model_type": str(getattr(cfg, "model_type", "")),
         "hidden_size": int(text.hidden_size),
         "num_layers": int(text.num_hidden_layers),
         "num_heads": int(text.num_attention_heads),
         "num_kv_heads": int(getattr(text, "num_key_value_heads", text.num_attention_heads)),
         "vocab_size": int(text.vocab_size),
-        "embedding_digest": digest,
+        "embedding_digest": hashlib.sha256(emb.float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16],
     }
 
 
-def check_signature(saved: dict[str, Any], model: Any, where: str) -> None:
-    """Raise ModelError when a router saved for `saved` is loaded against another model."""
-    now = model_signature(model)
-    diff = [k for k in saved if k != "name" and k in now and saved[k] != now[k]]
-    if diff:
-        detail = ", ".join(f"{k}: router {saved[k]!r} vs model {now[k]!r}" for k in diff)
-        raise ModelError(
-            f"the router in {where} was trained for another model ({saved.get('name') or 'unnamed'}; {detail}); "
-            "train one for this model with `mm-oval train-router --model ...`"
-        )
+def check_signature(saved: dict[str, Any], model: Any, where: str, check_weights: bool = True) -> None:
+    """Raise ModelError (naming both signatures) when a router saved for `saved` meets another model: the
+    same check as KVP agents get (`mm_oval.policies.kvp.check_signature`)."""
+    if "probe" not in saved:  # a router saved before the fingerprint: its own shapes and embedding digest
+        now = _legacy_signature(model)
+        diff = [k for k in saved if k in now and saved[k] != now[k]]
+        if not check_weights and "embedding_digest" in diff:
+            diff.remove("embedding_digest")
+        if diff:
+            detail = ", ".join(f"{k}: router {saved[k]!r} vs model {now[k]!r}" for k in diff)
+            raise ModelError(
+                f"the router in {where} was trained for another model ({saved.get('name') or 'unnamed'}; "
+                f"{detail}): {_HINT}"
+            )
+        return
+    kvp.check_signature(
+        saved,
+        model_signature(model),
+        f"in {where}",
+        what="the router",
+        hint=f"it belongs to another model; {_HINT}",
+        keys=SHAPE_KEYS,
+        check_weights=check_weights,
+    )
 
 
 class LoRALinear(nn.Module):
@@ -244,17 +274,25 @@ def load_router(path: str | Path, model: Any = None) -> HybridRouter:
         raise DataError(
             f"{d}: not a router directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); train one with `mm-oval train-router`"
         )
+    from safetensors import SafetensorError
+
     try:
         raw = json.loads(cfg_path.read_text())
         raw.pop("format", None)
         config = RouterConfig(**raw)
-    except (json.JSONDecodeError, TypeError) as e:
-        raise DataError(f"{cfg_path}: not a valid router config ({e})") from e
+    except (json.JSONDecodeError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise DataError(f"{cfg_path}: not a valid router config ({e}); retrain or restore the router") from e
     router = HybridRouter(config)
     try:
-        router.load_state_dict(load_file(str(w_path)))
-    except (RuntimeError, OSError) as e:
-        raise DataError(f"{w_path}: weights do not match {cfg_path} ({e})") from e
+        state = load_file(str(w_path))
+    except (SafetensorError, OSError) as e:
+        raise DataError(f"{w_path} is truncated or corrupt ({e}); retrain or restore the router") from e
+    try:
+        router.load_state_dict(state)
+    except RuntimeError as e:
+        raise DataError(
+            f"{w_path}: weights do not match {cfg_path} ({e}); retrain or restore the router"
+        ) from e
     if model is not None:
         check_signature(config.model, model, str(d))
     return router.eval()
@@ -307,12 +345,54 @@ class RouterRetrieval(RetrievalPolicy):
 
     name: ClassVar[str] = "router"
 
-    def __init__(self, weights: str | Path | None = None, router: HybridRouter | None = None):
-        self.router = router if router is not None else load_router(weights or bundled_router_path())
+    def __init__(
+        self,
+        weights: str | Path | None = None,
+        router: HybridRouter | None = None,
+        model: Any = None,
+        check_weights: bool = True,
+    ):
+        self.source = str(weights or bundled_router_path()) if router is None else "<in-memory>"
+        self.router = router if router is not None else load_router(self.source)
         self.router.eval()
+        self.check_weights = check_weights
         self._checked: set[int] = set()
+        if model is not None:
+            self.bind(model)
+
+    def bind(self, model: Any) -> None:
+        """Check the router against `model` at once, as KVP agents are (`mm_oval.wrap` calls this):
+        a ModelError naming both signatures for a model of other shapes or (unless `check_weights=False`)
+        other weights."""
+        if self.router.config.model:
+            check_signature(self.router.config.model, model, self.source, self.check_weights)
+        self._checked = set(range(self.router.config.num_layers))
+
+    def _check_layer(self, pages: PageBatch) -> None:
+        """Without `bind`, each layer is checked when its pages first close (its number, and its k_proj /
+        v_proj fingerprint when the router's signature has one)."""
+        i = pages.layer_idx
+        if i in self._checked:
+            return
+        c = self.router.config
+        if not 0 <= i < c.num_layers:
+            raise ModelError(
+                f"the router in {self.source} covers {c.num_layers} layers, this model has a layer {i}: "
+                f"it belongs to another model; {_HINT}"
+            )
+        probe = (c.model or {}).get("probe") or []
+        if self.check_weights and pages.module is not None and i < len(probe):
+            got = kvp._probe_from_attention(pages.module)
+            if got and not kvp._probe_matches(probe[i], got):
+                raise ModelError(
+                    f"the router in {self.source}: trained for model {c.model.get('name_or_path') or '?'} "
+                    f"(fingerprint {c.model.get('fingerprint')}); layer {i} of this model has other weights: "
+                    f"{_HINT}"
+                )
+        self._checked.add(i)
 
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
+        self._check_layer(pages)
         token_index = getattr(pages, "token_index", None)
         extra = getattr(pages, "extra", None) or {}
         embeds = extra.get("inputs_embeds")
