@@ -114,6 +114,27 @@ def test_fastv_ranks_image_tokens_once_at_its_layer_and_drops_them_above():
     assert torch.equal(scores[2][:, 0], scores[2][:, 1])  # every KV head drops the same tokens
 
 
+def test_fastv_layer_is_checked_against_the_model_it_is_wrapped_onto(tiny_random_llava):
+    """Layers up to `layer` keep every token: on a model that has no layer above it, FastV would evict
+    nothing and report its budget; wrap (and Chat) refuse it and say which layers fit."""
+    from mm_oval.chat import Chat
+    from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava
+
+    shallow, processor = build_tiny_llava(seed=0, sizes=TinyLlavaSizes(text_layers=3))
+    with pytest.raises(mm_oval.ConfigError, match=r"layer=2 on a model of 3 layers evicts nothing.*0\.\.1"):
+        mm_oval.wrap(shallow, method="fastv", budget=0.25)
+    assert not hasattr(shallow, "_mm_oval")
+    with pytest.raises(mm_oval.ConfigError, match="evicts nothing"):
+        Chat(shallow, processor, Image.new("RGB", (128, 128)), method="fastv", budget=0.25)
+    mm_oval.unwrap(mm_oval.wrap(shallow, method="fastv", budget=0.25, method_options={"layer": 1}))
+    model, _ = tiny_random_llava  # 4 layers: layer 2 (the default) fits, layer 3 does not
+    mm_oval.unwrap(mm_oval.wrap(model, method="fastv", budget=0.25))
+    with pytest.raises(mm_oval.ConfigError, match="layer=3 on a model of 4 layers"):
+        mm_oval.wrap(model, method="fastv", budget=0.25, method_options={"layer": 3})
+    with pytest.raises(mm_oval.ConfigError, match="int >= 0"):
+        make_eviction("fastv", layer=-1)
+
+
 def test_snapkv_rejects_bad_options():
     with pytest.raises(mm_oval.ConfigError, match="kernel an odd int"):
         make_eviction("snapkv", kernel=4)

@@ -8,10 +8,12 @@ GQA: a KV head's score combines its query heads (mean over the group unless said
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from .base import (
     IMAGE,
     PAD,
@@ -163,8 +165,6 @@ class SnapKV(EvictionPolicy):
     pooling: str = "avgpool"
 
     def __post_init__(self) -> None:
-        from ..errors import ConfigError
-
         if (
             self.pooling not in ("avgpool", "maxpool")
             or self.kernel < 1
@@ -202,6 +202,22 @@ class FastV(EvictionPolicy):
     needs_queries = True
     layer: int = 2
 
+    def __post_init__(self) -> None:
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
+            raise ConfigError(f"fastv: layer must be an int >= 0 (the layer that ranks), got {self.layer!r}")
+
+    def bind(self, model: Any) -> None:
+        """Check `layer` against the model (`mm_oval.wrap` calls this): the layers up to `layer` keep every
+        token, so a layer at or past the model's last evicts nothing."""
+        cfg = getattr(model, "config", model)
+        n = int((getattr(cfg, "text_config", None) or cfg).num_hidden_layers)
+        if self.layer > n - 2:
+            raise ConfigError(
+                f"fastv: layer={self.layer} on a model of {n} layers evicts nothing (layers 0..{self.layer} "
+                f"keep every token); pass method_options={{'layer': L}} with L in 0..{max(n - 2, 0)}"
+                + ("" if n >= 2 else " (a 1-layer model cannot use fastv)")
+            )
+
     def keep_layer_unchanged(self, layer_idx: int) -> bool:
         return layer_idx <= self.layer
 
@@ -214,8 +230,6 @@ class FastV(EvictionPolicy):
             return torch.zeros(B, H, N, device=ctx.keys.device)
         rank = ctx.extra.get("fastv_rank")
         if rank is None:
-            from ..errors import ConfigError
-
             raise ConfigError(f"fastv: layer={self.layer} is not a layer of this model")
         return _per_kv_head(ctx, rank.masked_fill(ctx.modality == PAD, 0.0))
 
