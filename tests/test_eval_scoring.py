@@ -56,17 +56,18 @@ def test_vqav2_ground_truth_punctuation_only_when_answers_differ():
     assert normalize_ground_truth(["Two", "two"]) == ["Two", "two"]
 
 
-def test_vqav2_answers_that_differ_only_by_punctuation():
+def test_vqav2_2017_rule_answers_that_differ_only_by_punctuation():
+    # the vqaeval-2017 rule (test_eval_rules.py compares the three rules)
     # differing answers: "hot-dog" is punctuation-processed to "hot dog" and matches the prediction
-    assert vqa_accuracy("hot dog", ["hot-dog"] * 5 + ["hot dog"] * 5) == 1.0
+    assert vqa_accuracy("hot dog", ["hot-dog"] * 5 + ["hot dog"] * 5, "vqaeval-2017") == 1.0
     # ten identical "hot-dog" are left alone while the prediction becomes "hot dog": no match (the quirk)
-    assert vqa_accuracy("hot-dog", ["hot-dog"] * 10) == 0.0
+    assert vqa_accuracy("hot-dog", ["hot-dog"] * 10, "vqaeval-2017") == 0.0
     # ground truth is not lowercased: ten identical "Yes" match nothing
-    assert vqa_accuracy("Yes", ["Yes"] * 10) == 0.0
-    assert vqa_accuracy("Yes", ["yes"] * 10) == 1.0
+    assert vqa_accuracy("Yes", ["Yes"] * 10, "vqaeval-2017") == 0.0
+    assert vqa_accuracy("Yes", ["yes"] * 10, "vqaeval-2017") == 1.0
     # nor digit-mapped: "two" in the ground truth never matches (predictions become "2")
-    assert vqa_accuracy("two", ["two"] * 10) == 0.0
-    assert vqa_accuracy("2", ["2"] * 10) == 1.0
+    assert vqa_accuracy("two", ["two"] * 10, "vqaeval-2017") == 0.0
+    assert vqa_accuracy("2", ["2"] * 10, "vqaeval-2017") == 1.0
 
 
 @pytest.mark.parametrize(
