@@ -117,6 +117,13 @@ class _ReadRecorder:
         self.steps[ctx.layer_idx] = self.steps.get(ctx.layer_idx, 0) + 1
 
 
+def _max_positions(model: Any) -> int | None:
+    """The language model's maximum context length (`text_config.max_position_embeddings`), if it has one."""
+    cfg = model.config
+    n = getattr(getattr(cfg, "text_config", None) or cfg, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
 class Chat:
     """A conversation about one or more images with a LLaVA-style model, through mm-oval's cache.
 
@@ -165,6 +172,9 @@ class Chat:
             self._retrieval = (
                 make_retrieval(cfg.retrieval, **cfg.retrieval_options) if cfg.retrieval else None
             )
+            for policy in (self._eviction, self._retrieval):  # checked against the model, as wrap does
+                getattr(policy, "bind", lambda m: None)(model)
+        self.max_positions = _max_positions(model)
         self.reset()
 
     # ---- the conversation ----------------------------------------------------------------------------
@@ -191,12 +201,11 @@ class Chat:
             raise ConfigError("the question is empty; ask something about the image")
         question = question.strip()
         tok = self.processor.tokenizer
-        if self._cache is None:
-            inputs = self._first_inputs(question)
-            self._cache = self._new_cache()
-        else:
-            inputs = self._next_inputs(question)
+        inputs = self._first_inputs(question) if self._cache is None else self._next_inputs(question)
         n_in = int(inputs["input_ids"].shape[1])
+        max_new = self._room_for_answer(n_in)  # refused here: the conversation is left as it was
+        if self._cache is None:
+            self._cache = self._new_cache()
         before = int(self._cache.get_seq_length())  # tokens already in the cache
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         try:
@@ -204,7 +213,7 @@ class Chat:
                 seq = self.model.generate(
                     **inputs,
                     cache=self._cache,
-                    max_new_tokens=self.max_new_tokens,
+                    max_new_tokens=max_new,
                     do_sample=False,
                     num_beams=1,
                     pad_token_id=pad,
@@ -219,6 +228,29 @@ class Chat:
         fed = n_in - before
         self.turns.append(Turn(question, answer, int(new.shape[1]), fed))
         return answer
+
+    def _room_for_answer(self, n_in: int) -> int:
+        """New tokens this turn may generate: `max_new_tokens`, fewer (with a warning) where the model's
+        maximum context length would be passed; a ConfigError when the prompt alone reaches it."""
+        limit = self.max_positions
+        if limit is None or n_in + self.max_new_tokens <= limit:
+            return self.max_new_tokens
+        if n_in >= limit:
+            raise ConfigError(
+                f"the conversation would reach {n_in} tokens with this question, more than the {limit} the "
+                "model handles (its max_position_embeddings): start a new conversation (/reset, "
+                "Chat.reset()) or ask a shorter question"
+            )
+        room = limit - n_in
+        logger.warning(
+            "the answer is cut to %d new tokens (not %d): the conversation is %d tokens long and the model "
+            "handles %d (its max_position_embeddings); /reset starts a new conversation",
+            room,
+            self.max_new_tokens,
+            n_in,
+            limit,
+        )
+        return room
 
     # ---- what the cache holds ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -419,6 +451,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16"
     )
+    parser.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
+    )
 
 
 def format_stats(stats: dict[str, Any]) -> str:
@@ -457,14 +494,27 @@ HELP = "commands: /stats (what the cache kept), /reset (new conversation), /quit
 
 
 def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    """`mm-oval chat`. Ctrl-C while a question is answered drops that turn and keeps the session; Ctrl-C
+    anywhere else (at the prompt, while the model loads) ends it with one line and exit status 130."""
+    try:
+        return _run(args, stdin or sys.stdin, stdout or sys.stdout)
+    except KeyboardInterrupt:
+        print("\nmm-oval chat: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
     from .eval.runner import load_model, parse_budget
 
-    stdin = stdin or sys.stdin
-    stdout = stdout or sys.stdout
     budget = parse_budget(args.budget)
     config = OvalConfig.from_spec(args.method, budget)  # bad specs fail before the model loads
     images = [load_image(p) for p in args.image]
-    model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, processor = load_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        allow_pickle_weights=getattr(args, "allow_pickle_weights", False),
+    )
     from .wrapper import wrap
 
     wrap(model, config)  # once for the session; the Chat uses this wrap's policies
@@ -505,7 +555,9 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
         try:
             answer(question)
         except MmOvalError as e:  # say what went wrong and keep the session (the conversation starts over)
+            chat.reset()
             print(f"error: {e} (the conversation starts over)", file=sys.stderr, flush=True)
         except KeyboardInterrupt:
+            chat.reset()
             print("\ninterrupted (the conversation starts over)", file=sys.stderr, flush=True)
     return 0

@@ -265,3 +265,72 @@ def test_command_errors_name_what_to_fix(tiny_random_llava_dir, tmp_path, capsys
     assert rc == 2 and "budget" in capsys.readouterr().err
     rc = main(["chat", "--model", str(tmp_path), "--prompt", "hi"])
     assert rc == 2 and str(tmp_path) in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- limits and interruptions
+
+
+@pytest.fixture(scope="module")
+def short_context_llava_dir(tmp_path_factory):
+    """The random tiny LLaVA saved with a context of 80 tokens: the first prompt (75 tokens) fits, a few
+    answer tokens fit after it, a second turn does not."""
+    from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava
+
+    model, processor = build_tiny_llava(seed=0, sizes=TinyLlavaSizes(max_positions=80))
+    path = tmp_path_factory.mktemp("short_llava")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def test_the_conversation_stays_within_the_models_context_length(
+    short_context_llava_dir, image_path, caplog, capsys
+):
+    from mm_oval.eval.runner import load_model
+
+    model, processor = load_model(str(short_context_llava_dir), device="cpu")
+    chat = Chat(model, processor, _scene(), max_new_tokens=32)
+    with caplog.at_level("WARNING", logger="mm_oval.chat"):
+        chat.ask(QUESTIONS[0])
+    first = chat.turns[0]
+    assert first.prompt_tokens + first.new_tokens <= 80  # the answer was cut to what fits, and said so
+    assert "cut to 5 new tokens" in caplog.text and "max_position_embeddings" in caplog.text
+    with pytest.raises(ConfigError, match=r"reach \d+ tokens.*more than the 80 the model handles"):
+        chat.ask(QUESTIONS[1])
+    assert len(chat.turns) == 1  # refused before anything was fed: the conversation is as it was
+    chat.reset()
+    chat.ask(QUESTIONS[0])
+    # the command says it in one line
+    argv = ["chat", "--model", str(short_context_llava_dir), "--image", str(image_path)]
+    assert main([*argv, "--prompt", QUESTIONS[0], "--prompt", QUESTIONS[1]]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "mm-oval chat: error: the conversation"
+    )
+    assert "max_position_embeddings" in err.strip().splitlines()[-1]
+
+
+class _CtrlCAtThePrompt(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+    def readline(self, *args) -> str:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_at_the_prompt_ends_the_session_with_one_line(tiny_random_llava_dir, capsys):
+    import argparse
+
+    from mm_oval.chat import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_random_llava_dir)])
+    try:
+        rc = run(args, stdin=_CtrlCAtThePrompt(), stdout=io.StringIO())
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C at the chat prompt escaped as a traceback")
+    err = capsys.readouterr().err
+    assert (
+        rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "mm-oval chat: interrupted"
+    )
