@@ -22,6 +22,7 @@ def _drop_checkout_root_from_path() -> None:
 
 _drop_checkout_root_from_path()
 
+from ..cli import interrupted_message  # noqa: E402
 from ..errors import MmOvalError  # noqa: E402
 from . import cli_eval  # noqa: E402
 
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except MmOvalError as e:
         print(f"mm_oval.eval: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(interrupted_message("mm_oval.eval", "eval"), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,36 @@ from .tasks import TASKS
 
 log = logging.getLogger(__name__)
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count (--limit, --batch-size, ...): a whole number >= 1, checked before any work."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def budget_value(text: str) -> float | int:
+    """argparse type of --budget: a fraction in (0, 1] or a token count >= 1 (the method checks the rest)."""
+    import math
+
+    from .runner import parse_budget
+
+    try:
+        value = parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if isinstance(value, float) and not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"a fraction budget is in (0, 1], got {text}")
+    if isinstance(value, int) and value < 1:
+        raise argparse.ArgumentTypeError(f"a token-count budget is >= 1, got {text}")
+    return value
+
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", required=True, choices=list(TASKS), help="benchmark")
@@ -29,7 +59,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-map", help="VQAv2: JSON {image_id: file name} instead of COCO file names")
     parser.add_argument("--ocr", help="TextVQA: Rosetta OCR JSON; adds LLaVA's 'Reference OCR token:' line")
     parser.add_argument(
-        "--limit", type=int, help="first N questions only (MMBench: N questions with their rotations)"
+        "--limit",
+        type=positive_int,
+        help="first N questions only (MMBench: N questions with their rotations)",
     )
 
 
@@ -46,11 +78,14 @@ def data_options(args: argparse.Namespace) -> dict:
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     """How each item is generated: shared by `eval` and `sweep` (see `generation_options`)."""
     parser.add_argument(
-        "--batch-size", type=int, default=1, help="questions per generate call (left padding)"
+        "--batch-size", type=positive_int, default=1, help="questions per generate call (left padding)"
     )
-    parser.add_argument("--max-new-tokens", type=int, help="default: 16 (short-answer prompts)")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="default: 16 (short-answer prompts)")
     parser.add_argument(
-        "--multi-turn", type=int, metavar="K", help="K questions per image in one conversation (VQA)"
+        "--multi-turn",
+        type=positive_int,
+        metavar="K",
+        help="K questions per image in one conversation (VQA)",
     )
     parser.add_argument(
         "--compress",
@@ -60,7 +95,10 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         "before the question is read (question-agnostic; the first answer token sees the compressed cache)",
     )
     parser.add_argument(
-        "--dtype", default="auto", help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16"
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -96,7 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method", default="full", help="'full' (plain model) or a method spec 'name[:key=value,...]'"
     )
-    parser.add_argument("--budget", help="KV budget of the method: a fraction (0.25) or a token count (64)")
+    parser.add_argument(
+        "--budget", type=budget_value, help="KV budget of the method: a fraction (0.25) or a token count (64)"
+    )
     add_generation_arguments(parser)
     add_rules_argument(parser)
     parser.add_argument(
@@ -105,8 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runner import evaluate, load_model
+    from .runner import check_method, evaluate, load_model
 
+    check_method(args.method, args.budget)  # a typo in the spec is reported before the model loads
     t0 = time.perf_counter()
     model, processor = load_model(args.model, dtype=args.dtype)
     load_s = time.perf_counter() - t0

@@ -30,10 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .runner import load_model, process_state
-    from .sweep import parse_budgets, parse_methods, run_sweep
+    from .sweep import check_cells, parse_budgets, parse_methods, run_sweep
 
     methods = parse_methods(args.methods)
     budgets = parse_budgets(args.budgets)
+    check_cells(None, [(m, b) for m in methods if m != "full" for b in budgets])  # before the model loads
     t0 = time.perf_counter()
     model, processor = load_model(args.model, dtype=args.dtype)
     load_s = time.perf_counter() - t0

@@ -24,7 +24,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -565,19 +565,22 @@ def _lock_file(f: Any) -> None:
     fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def _claim(out_dir: Path, run: RunConfig, state: Any) -> FolderLock | None:
-    """Rank 0 locks the folder, removes temporary files an interrupted write left, and checks (or records)
-    the run's identity; every rank of the launch gets its verdict, so a refused launch stops on all ranks
-    and the ranks of one launch share rank 0's lock. Returns the lock (rank 0) for the caller to release."""
+def claim_folder(out_dir: Path, state: Any, check: Callable[[], None] | None = None) -> FolderLock | None:
+    """Rank 0 locks an output folder, removes the temporary files an interrupted write left there, and
+    runs `check` (the identity check) under the lock; every rank of the launch gets its verdict, so a
+    refused launch stops on all ranks, and the ranks of one launch share rank 0's lock. Returns the lock
+    on rank 0 (None elsewhere) for the caller to release."""
     lock, error = None, None
     if state.is_main_process:
         try:
             lock = FolderLock(out_dir).acquire()
             remove_stale_tmp(out_dir)
-            _check_identity(out_dir, run)
+            if check is not None:
+                check()
         except Exception as e:
             if lock is not None:
                 lock.release()
+                lock = None
             error = e
     if state.num_processes > 1:
         from accelerate.utils import broadcast_object_list
@@ -711,7 +714,7 @@ def evaluate(
     try:
         done: dict[str, dict] = {}
         if out is not None:
-            lock = _claim(out, run, state)
+            lock = claim_folder(out, state, lambda: _check_identity(out, run))
             done = _read_done(out, ids)
         records: dict[str, dict] = {it.id: done[it.id] for u in mine for it in u if it.id in done}
         # a batch cut short by a crash is generated again whole (only its missing records are written)

@@ -4,6 +4,10 @@ folder; the sweep writes sweep.json, a markdown table and a PNG plot of accuracy
     DIR/full/                      the full-cache reference (once; it has no budget)
     DIR/<method>@<budget>/         one evaluation per cell (run.json, predictions, results.json)
     DIR/sweep.json, sweep.md, sweep.png
+
+Every cell's method and budget are checked (and applied to the model once) before the first cell runs,
+so a typo in the last cell stops the sweep before it has written anything. The sweep holds DIR's lock
+and each cell its folder's, so a second sweep into DIR is refused.
 """
 
 from __future__ import annotations
@@ -13,10 +17,18 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MmOvalError
 from .files import atomic_write_json, atomic_write_text
 from .plots import plot_sweep
-from .runner import evaluate, parse_budget, process_state
+from .runner import (
+    apply_method,
+    check_method,
+    claim_folder,
+    evaluate,
+    parse_budget,
+    process_state,
+    remove_method,
+)
 from .tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -61,16 +73,17 @@ def run_sweep(
     """Evaluate every (method, budget) cell plus the full cache; write the table and the plot."""
     out = Path(out_dir)
     task_obj = get_task(task)
-    full_result = None
-    if include_full or "full" in methods:
-        full_result = evaluate(
-            model, processor, task, data, method="full", out_dir=out / "full", **eval_kwargs
-        )
-    cells = []
-    for m in methods:
-        if m == "full":
-            continue
-        for b in budgets:
+    grid = [(m, b) for m in methods if m != "full" for b in budgets]
+    check_cells(model, grid)
+    lock = claim_folder(out, process_state())
+    try:
+        full_result = None
+        if include_full or "full" in methods:
+            full_result = evaluate(
+                model, processor, task, data, method="full", out_dir=out / "full", **eval_kwargs
+            )
+        cells = []
+        for m, b in grid:
             log.info("sweep cell: %s @ %s", m, b)
             r = evaluate(
                 model,
@@ -91,6 +104,41 @@ def run_sweep(
                     "dir": cell_dir_name(m, b),
                 }
             )
+        return _write_summary(out, task_obj, methods, budgets, cells, full_result)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def check_cells(model: Any | None, grid: list[tuple[str, float | int]]) -> None:
+    """Every cell's spec and budget, then (given a model) each method once on the model itself (what a
+    spec alone cannot tell: agents trained for another model, options the policy rejects); the error
+    names the cell."""
+    for m, b in grid:
+        try:
+            check_method(m, b)
+        except MmOvalError as e:
+            raise type(e)(f"sweep cell {m} @ {b:g}: {e}") from e
+    if model is None:
+        return
+    for m in dict.fromkeys(m for m, _ in grid):
+        b = next(b for mm, b in grid if mm == m)
+        try:
+            wrapped = apply_method(model, m, b)
+        except MmOvalError as e:
+            raise type(e)(f"sweep cell {m} @ {b:g}: {e}") from e
+        if wrapped:
+            remove_method(model)
+
+
+def _write_summary(
+    out: Path,
+    task_obj: Any,
+    methods: list[str],
+    budgets: list[float | int],
+    cells: list[dict],
+    full_result: dict | None,
+) -> dict[str, Any]:
     summary = {
         "task": task_obj.name,
         "primary_metric": task_obj.primary_metric,

@@ -25,6 +25,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# commands whose work survives an interruption (per-item predictions in --out): Ctrl-C says how to go on
+RESUMABLE = ("eval", "sweep")
+
+
+def interrupted_message(prog: str, command: str) -> str:
+    """The one line printed for Ctrl-C (exit status 130), instead of a traceback."""
+    if command in RESUMABLE:
+        return (
+            f"{prog}: interrupted; the finished predictions are kept in --out: resume with the same command"
+        )
+    return f"{prog}: interrupted"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mm-oval", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -54,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except MmOvalError as e:
         print(f"mm-oval {known.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(interrupted_message(f"mm-oval {known.command}", known.command), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

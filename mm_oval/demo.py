@@ -23,21 +23,46 @@ METHOD_OPTIONS = "sink_tokens=3,recent_tokens=0"
 LABELS = {"vqav2": "VQAv2 acc", "mmbench": "MMBench circular", "pope": "POPE F1", "textvqa": "TextVQA acc"}
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"the budget is a share of the image KV in (0, 1], got {text}")
+    return value
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods besides the full cache"
     )
     parser.add_argument(
         "--budget",
-        type=float,
+        type=_fraction,
         default=0.25,
         help="image-KV budget: share kept (eviction) or read per step (retrieval)",
     )
     parser.add_argument(
         "--tasks", default=",".join(TASKS), help="comma-separated tasks (vqav2, pope, mmbench)"
     )
-    parser.add_argument("--limit", type=int, default=0, help="first N questions of each dev set (0: all)")
-    parser.add_argument("--batch-size", type=int, default=20)
+    parser.add_argument(
+        "--limit", type=_count(0), default=0, help="first N questions of each dev set (0: all)"
+    )
+    parser.add_argument("--batch-size", type=_count(1), default=20)
     parser.add_argument("--compress", choices=("image", "prompt"), default="image")
     parser.add_argument(
         "--out", default=None, help="keep predictions and results here (default: a temporary dir)"
@@ -45,12 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mm_oval.eval import evaluate, load_model
+    from mm_oval.eval import evaluate, get_task, load_model
+    from mm_oval.eval.runner import check_method
 
     t0 = time.perf_counter()
-    model, processor = load_model("bundled")
     tasks = [t for t in args.tasks.split(",") if t]
     methods = ["full", *[m for m in args.methods.split(",") if m and m != "full"]]
+    for task in tasks:  # every task and method is checked before the model loads and the first runs
+        get_task(task)
+    for name in methods[1:]:
+        check_method(f"{name}:{METHOD_OPTIONS}", args.budget)
+    model, processor = load_model("bundled")
     table: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
