@@ -155,3 +155,16 @@ def test_the_router_is_checked_against_the_model_it_is_wrapped_onto():
                       module=model.model.language_model.layers[0].self_attn)  # fmt: skip
     with pytest.raises(ModelError, match="layer 0 of this model has other weights"):
         policy.summarize(pages)
+
+
+def test_a_sharded_model_folder_missing_a_shard_names_it(tiny_random_llava, tmp_path):
+    model, processor = tiny_random_llava
+    folder = tmp_path / "sharded"
+    model.save_pretrained(folder, max_shard_size="1MB")
+    processor.save_pretrained(folder)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (folder / "model.safetensors.index.json").is_file()
+    load_model(str(folder), device="cpu")  # complete: loads
+    shards[-1].unlink()
+    with pytest.raises(ModelError, match=f"sharded lacks the weights file {shards[-1].name}"):
+        load_model(str(folder), device="cpu")
