@@ -100,6 +100,11 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         choices=DTYPES,
         help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16",
     )
+    parser.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -149,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_method(args.method, args.budget)  # a typo in the spec is reported before the model loads
     t0 = time.perf_counter()
-    model, processor = load_model(args.model, dtype=args.dtype)
+    model, processor = load_model(
+        args.model, dtype=args.dtype, allow_pickle_weights=args.allow_pickle_weights
+    )
     load_s = time.perf_counter() - t0
     results = evaluate(
         model,

@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     budgets = parse_budgets(args.budgets)
     check_cells(None, [(m, b) for m in methods if m != "full" for b in budgets])  # before the model loads
     t0 = time.perf_counter()
-    model, processor = load_model(args.model, dtype=args.dtype)
+    model, processor = load_model(
+        args.model, dtype=args.dtype, allow_pickle_weights=args.allow_pickle_weights
+    )
     load_s = time.perf_counter() - t0
     summary = run_sweep(
         model,

@@ -80,9 +80,12 @@ def test_a_model_folder_with_only_pickled_weights_is_refused_unless_allowed(
         model, processor = load_model(str(folder), device="cpu", allow_pickle_weights=True)
     assert "safetensors is expected" in caplog.text
     assert model.config.model_type == "llava" and processor.tokenizer is not None
-    # the commands refuse it too, in one line, and name the flag
-    rc = main(["chat", "--model", str(folder), "--prompt", "hi"])
-    assert rc == 2
+    # the commands refuse it too, in one line, and take the flag
+    assert main(["chat", "--model", str(folder), "--prompt", "hi"]) == 2
+    argv = ["eval", "--model", str(folder), "--task", "vqav2", "--data", "bundled", "--limit", "1"]
+    argv += ["--max-new-tokens", "2", "--no-progress", "--dtype", "float32"]
+    assert main([*argv, "--out", str(tmp_path / "refused")]) == 2
+    assert main([*argv, "--out", str(tmp_path / "allowed"), "--allow-pickle-weights"]) == 0
 
 
 def test_a_config_that_needs_custom_code_is_refused_without_running_it(tmp_path, monkeypatch):
