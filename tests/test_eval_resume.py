@@ -21,12 +21,13 @@ KW = {"max_new_tokens": 4, "progress": False}
 
 
 def make_vqav2(root):
-    """Four images, one colour question each, in the VQAv2 layout."""
+    """Four images, one colour question each (worded two ways: two prompt lengths), in the VQAv2 layout."""
     (root / "images").mkdir(parents=True)
     qs, anns = [], []
     for i, color in enumerate(COLORS):
         Image.new("RGB", (64, 64), color).save(root / "images" / f"COCO_val2014_{i + 1:012d}.png")
-        qs.append({"question_id": 10 + i, "image_id": i + 1, "question": "what color is the image ?"})
+        question = "what color is the image ?" if i % 2 == 0 else "color ?"
+        qs.append({"question_id": 10 + i, "image_id": i + 1, "question": question})
         anns.append(
             {
                 "question_id": 10 + i,
@@ -251,6 +252,22 @@ def test_stray_temporary_files_are_removed_and_results_follow_the_umask(loaded, 
     assert (out / "notes.tmp").exists()
     assert (out / "results.json").stat().st_mode & 0o777 == 0o640
     assert (out / "run.json").stat().st_mode & 0o777 == 0o640
+
+
+# ---------------------------------------------------------------- KV figures
+
+
+def test_compress_image_counts_the_kv_of_every_request_in_a_batch(loaded, data):
+    """With compress='image' a batch is split by prompt length into several generate calls; the batch's KV
+    figures must cover all of them (they covered only the last), so they do not depend on the batch size."""
+    model, processor = loaded
+    kw = {**KW, "method": "streamingllm", "budget": 0.5, "compress": "image"}
+    one = evaluate(model, processor, "vqav2", data, batch_size=1, **kw)["kv"]
+    four = evaluate(model, processor, "vqav2", data, batch_size=4, **kw)["kv"]
+    assert one["requests"] == 4 and four["requests"] == 2  # the two prompt lengths of the batch
+    for key in ("kv_bytes_full", "kv_bytes_kept", "kv_fraction_kept", "image_kv_fraction_kept"):
+        assert four[key] == pytest.approx(one[key]), key
+    assert 0 < one["kv_fraction_kept"] < 1
 
 
 # ---------------------------------------------------------------- Ctrl-C

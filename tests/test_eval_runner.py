@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from mm_oval.eval import runner
+from mm_oval.eval.files import JsonlAppender
 from mm_oval.eval.runner import evaluate, load_model, score_file
 from PIL import Image
 
@@ -141,42 +142,74 @@ def test_batch_of_4_equals_batch_of_1(loaded, vqa_dir, tmp_path, reference):
     assert rescored["scores"] == r1["scores"]
 
 
-@pytest.mark.parametrize("method, budget", [("full", None), ("streamingllm", 0.5)])
-def test_killed_run_resumes_to_the_same_results(loaded, vqa_dir, tmp_path, monkeypatch, method, budget):
+def _whole_run(results: dict) -> dict:
+    # the whole results file except wall-clock timings and what this particular execution generated
+    out = {k: v for k, v in results.items() if k != "timings"}
+    out["run"] = {k: v for k, v in results["run"].items() if k not in ("new_items", "per_rank")}
+    return json.loads(json.dumps(out))
+
+
+@pytest.mark.parametrize(
+    "method, budget, compress, batch_size, kill_mid_batch",
+    [("full", None, "prompt", 2, False), ("streamingllm", 0.5, "prompt", 2, False),
+     ("streamingllm", 0.5, "image", 4, True)],
+)  # fmt: skip
+def test_killed_run_resumes_to_the_same_results(
+    loaded, vqa_dir, tmp_path, monkeypatch, method, budget, compress, batch_size, kill_mid_batch
+):
     model, processor = loaded
-    kw = {"batch_size": 2, "max_new_tokens": 6, "progress": False, "method": method, "budget": budget}
+    kw = {"batch_size": batch_size, "max_new_tokens": 6, "progress": False, "method": method,
+          "budget": budget, "compress": compress}  # fmt: skip
     full = evaluate(model, processor, "vqav2", vqa_dir, out_dir=tmp_path / "ref", **kw)
     if method != "full":
         assert full["kv"]["kv_fraction_kept"] < 1.0  # the KV figures are part of what must match
 
-    real = runner.generate_batch
-    calls = {"n": 0}
-
-    def dies_after_two_batches(*a, **k):
-        if calls["n"] == 2:
-            raise KeyboardInterrupt  # the process is stopped mid-run
-        calls["n"] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(runner, "generate_batch", dies_after_two_batches)
     out = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
-        evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, **kw)
+    if kill_mid_batch:
+        # the process is stopped while it writes the records of its second batch (items 5 to 8)
+        real_write = JsonlAppender.write
+        writes = {"n": 0}
+
+        def dies_at_the_sixth_record(self, rec):
+            if writes["n"] == 5:
+                raise KeyboardInterrupt
+            writes["n"] += 1
+            real_write(self, rec)
+
+        monkeypatch.setattr(JsonlAppender, "write", dies_at_the_sixth_record)
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, **kw)
+        monkeypatch.setattr(JsonlAppender, "write", real_write)
+        done, redone = 5, 3
+    else:
+        real = runner.generate_batch
+        calls = {"n": 0}
+
+        def dies_after_two_batches(*a, **k):
+            if calls["n"] == 2:
+                raise KeyboardInterrupt  # the process is stopped mid-run
+            calls["n"] += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(runner, "generate_batch", dies_after_two_batches)
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, **kw)
+        monkeypatch.setattr(runner, "generate_batch", real)
+        done, redone = 4, 4
     assert not (out / "results.json").exists()
-    assert len(_preds(out)) == 4
+    assert len(_preds(out)) == done
     assert getattr(model, "_mm_oval", None) is None  # unwrapped even after the interruption
     # a crash in the middle of writing a record leaves half a line
     with open(out / "predictions.rank0.jsonl", "a") as f:
-        f.write('{"id": "5", "predic')
-    monkeypatch.setattr(runner, "generate_batch", real)
+        f.write('{"id": "7", "predic')
     resumed = evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, **kw)
-    assert resumed["run"]["new_items"] == 4  # only the unfinished half was generated
-    assert _comparable(resumed) == _comparable(full)
+    assert resumed["run"]["new_items"] == redone  # only the unfinished items were written
+    assert _whole_run(resumed) == _whole_run(full)
     assert _preds(out) == _preds(tmp_path / "ref")
     on_disk = json.loads((out / "results.json").read_text())
-    assert _comparable(on_disk) == json.loads(json.dumps(_comparable(full)))
+    assert _whole_run(on_disk) == _whole_run(full)
     again = evaluate(model, processor, "vqav2", vqa_dir, out_dir=out, **kw)
-    assert again["run"]["new_items"] == 0 and _comparable(again) == _comparable(full)
+    assert again["run"]["new_items"] == 0 and _whole_run(again) == _whole_run(full)
 
 
 def test_output_dir_of_another_config_is_refused(loaded, vqa_dir, tmp_path):

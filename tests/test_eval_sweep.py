@@ -132,3 +132,20 @@ def test_vqav2_without_annotations_writes_a_submission_file(tiny_random_llava, t
     submission = json.loads((tmp_path / "out" / "predictions_official.json").read_text())
     assert [r["question_id"] for r in submission] == [10, 11, 12]
     assert all(isinstance(r["answer"], str) for r in submission)
+
+
+def test_sweep_checks_every_cell_before_the_first_runs(tiny_random_llava, tmp_path):
+    model, processor = tiny_random_llava
+    data = _vqa(tmp_path / "data")
+    kw = {"max_new_tokens": 3, "progress": False}
+    for methods, budgets, match in (
+        (["streamingllm", "knorm:nosuchoption=1"], [0.5], "sweep cell knorm:nosuchoption=1 @ 0.5"),
+        (["streamingllm"], [0.5, 1.5], "sweep cell streamingllm @ 1.5"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            run_sweep(model, processor, "vqav2", data, methods, budgets, tmp_path / "sw", **kw)
+        # nothing ran, so nothing was written: the corrected command is not refused
+        assert not list((tmp_path / "sw").rglob("run.json")) and not list((tmp_path / "sw").rglob("*.jsonl"))
+        assert getattr(model, "_mm_oval", None) is None
+    s = run_sweep(model, processor, "vqav2", data, ["streamingllm"], [0.5], tmp_path / "sw", **kw)
+    assert len(s["cells"]) == 1
