@@ -522,8 +522,11 @@ class FolderLock:
         self._f: Any = None
 
     def acquire(self) -> FolderLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+", encoding="utf-8")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            f = open(self.path, "a+", encoding="utf-8")
+        except OSError as e:
+            raise ResultsError(f"cannot write into the output folder {self.folder}: {e}") from e
         try:
             _lock_file(f)
         except OSError:

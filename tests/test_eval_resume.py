@@ -213,6 +213,13 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(
     assert evaluate(model, processor, "vqav2", data, out_dir=out, **KW)["run"]["new_items"] == 0
 
 
+def test_an_output_folder_that_cannot_be_written_is_a_clear_error(loaded, data, tmp_path):
+    model, processor = loaded
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ResultsError, match="cannot write into the output folder"):
+        evaluate(model, processor, "vqav2", data, out_dir=tmp_path / "a_file" / "out", **KW)
+
+
 # ---------------------------------------------------------------- damaged files
 
 
