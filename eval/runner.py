@@ -830,7 +830,10 @@ def evaluate(
                 if t is not None:
                     turns.setdefault(int(t), []).append(it)
             results["scores_by_turn"] = {
-                str(t): {"primary": task_obj.primary(task_obj.score(its, predictions, rules)), "items": len(its)}
+                str(t): {
+                    "primary": task_obj.primary(task_obj.score(its, predictions, rules)),
+                    "items": len(its),
+                }
                 for t, its in sorted(turns.items())
             }
         if out is not None and state.is_main_process:

@@ -266,7 +266,10 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     config = (config or OvalConfig()).replace(**overrides) if overrides else (config or OvalConfig())
     eviction = make_eviction(config.method, **config.method_options) if config.method != "full" else None
     retrieval = make_retrieval(config.retrieval, **config.retrieval_options) if config.retrieval else None
-    for policy in (eviction, retrieval):  # learned parts and model-dependent options checked against the model
+    for policy in (
+        eviction,
+        retrieval,
+    ):  # learned parts and model-dependent options checked against the model
         getattr(policy, "bind", lambda m: None)(model)
     if getattr(model, "_mm_oval", None) is not None:
         unwrap(model)
