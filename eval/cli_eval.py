@@ -184,3 +184,13 @@ def print_summary(results: dict) -> None:
     shown = "n/a (no ground truth)" if primary is None else f"{primary:.2f}"
     print(f"{results['task']}: {results['primary_metric']} = {shown}")
     print(json.dumps(scores, indent=1))
+    print(rule_line(results["scores"]))
+
+
+def rule_line(scores: dict) -> str:
+    """Which rule, from which source revision, produced the numbers."""
+    r = scores.get("rules")
+    if not r:
+        return "rules: not recorded"
+    src = r["source"]
+    return f"rules: {r['name']} ({src['repository']} @ {src['commit']}, {src['file']})"

@@ -19,22 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="write the results JSON here (a folder or a .json path)")
 
 
-def rule_line(scores: dict) -> str:
-    """Which rule, from which source revision, produced the numbers."""
-    r = scores.get("rules")
-    if not r:
-        return "rules: not recorded"
-    src = r["source"]
-    return f"rules: {r['name']} ({src['repository']} @ {src['commit']}, {src['file']})"
-
-
 def run(args: argparse.Namespace) -> int:
     from .runner import score_file
 
     results = score_file(args.task, args.data, args.predictions, out=args.out, limit=args.limit,
                          data_options=data_options(args), rules=args.rules)  # fmt: skip
     print_summary(results)
-    print(rule_line(results["scores"]))
     for note in results["scores"].get("undefined", []):
         print(f"undefined: {note}")
     c = results["counts"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .cli_eval import add_data_arguments, add_generation_arguments, generation_options
+from .cli_eval import add_data_arguments, add_generation_arguments, add_rules_argument, generation_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache reference run")
     add_generation_arguments(parser)
+    add_rules_argument(parser)
     parser.add_argument("--out", required=True, help="output directory (each cell resumable)")
 
 
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         include_full=not args.no_full,
         **generation_options(args),
         extra_timings={"model_load_s": load_s},
+        rules=args.rules,
     )
     if process_state().is_main_process:
         from .sweep import markdown_table

@@ -104,14 +104,6 @@ def parse_budget(raw: str | float | int | None) -> float | int | None:
         ) from None
 
 
-def resolve_model_path(model: str) -> str:
-    if model == "bundled":
-        from mm_oval.zoo import bundled_model_path
-
-        return str(bundled_model_path())
-    return model
-
-
 def load_model(
     model: str,
     device: str | torch.device | None = None,

@@ -73,6 +73,7 @@ def run_sweep(
     """Evaluate every (method, budget) cell plus the full cache; write the table and the plot."""
     out = Path(out_dir)
     task_obj = get_task(task)
+    rule = task_obj.rule(eval_kwargs.get("rules"))  # an unknown scoring rule fails before any cell runs
     grid = [(m, b) for m in methods if m != "full" for b in budgets]
     check_cells(model, grid)
     lock = claim_folder(out, process_state())
@@ -104,7 +105,7 @@ def run_sweep(
                     "dir": cell_dir_name(m, b),
                 }
             )
-        return _write_summary(out, task_obj, methods, budgets, cells, full_result)
+        return _write_summary(out, task_obj, methods, budgets, cells, full_result, rule)
     finally:
         if lock is not None:
             lock.release()
@@ -138,9 +139,11 @@ def _write_summary(
     budgets: list[float | int],
     cells: list[dict],
     full_result: dict | None,
+    rule: Any,
 ) -> dict[str, Any]:
     summary = {
         "task": task_obj.name,
+        "rules": rule.record(),
         "primary_metric": task_obj.primary_metric,
         "full": None if full_result is None else full_result["primary"],
         "full_ran": full_result is not None,
@@ -190,4 +193,11 @@ def markdown_table(summary: dict[str, Any]) -> str:
             score = "n/a" if c["primary"] is None else f"{c['primary']:.2f}"
             row.append(score + (f" ({100 * kept:.0f}%)" if kept is not None else ""))
         lines.append(f"| {m} | " + " | ".join(row) + " |")
+    r = summary.get("rules")
+    if r:
+        src = r["source"]
+        lines += [
+            "",
+            f"Scored with rule {r['name']} ({src['repository']} @ {src['commit'][:10]}, {src['file']}).",
+        ]
     return "\n".join(lines) + "\n"

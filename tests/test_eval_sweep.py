@@ -149,3 +149,22 @@ def test_sweep_checks_every_cell_before_the_first_runs(tiny_random_llava, tmp_pa
         assert getattr(model, "_mm_oval", None) is None
     s = run_sweep(model, processor, "vqav2", data, ["streamingllm"], [0.5], tmp_path / "sw", **kw)
     assert len(s["cells"]) == 1
+
+
+def test_sweep_and_eval_name_the_scoring_rule(tiny_random_llava, tmp_path, capsys):
+    model, processor = tiny_random_llava
+    data = _vqa(tmp_path / "data")
+    kw = {"max_new_tokens": 2, "progress": False, "limit": 2}
+    with pytest.raises(ConfigError, match="unknown scoring rule 'x'"):
+        run_sweep(model, processor, "vqav2", data, ["knorm"], [0.5], tmp_path / "bad", rules="x", **kw)
+    assert not (tmp_path / "bad" / "full").exists()  # refused before the first cell
+    s = run_sweep(model, processor, "vqav2", data, ["knorm"], [0.5], tmp_path / "sw", rules="vqaeval", **kw)
+    assert s["rules"]["name"] == "vqaeval" and s["rules"]["source"]["repository"] == "GT-Vision-Lab/VQA"
+    assert "Scored with rule vqaeval (GT-Vision-Lab/VQA @ a013f0043c" in (tmp_path / "sw" / "sweep.md").read_text()
+    cell = json.loads((tmp_path / "sw" / s["cells"][0]["dir"] / "results.json").read_text())
+    assert cell["scores"]["rules"]["name"] == "vqaeval"
+    model.save_pretrained(tmp_path / "m")
+    processor.save_pretrained(tmp_path / "m")
+    rc = main(["eval", "--model", str(tmp_path / "m"), "--task", "vqav2", "--data", str(data), "--out",
+               str(tmp_path / "out"), "--max-new-tokens", "2", "--limit", "2", "--dtype", "float32", "--no-progress"])  # fmt: skip
+    assert rc == 0 and "rules: lmms-eval (EvolvingLMMs-Lab/lmms-eval @ 7548ebe" in capsys.readouterr().out
