@@ -216,6 +216,7 @@ class PagedLayer(CacheLayerMixin):
                 module=module,
                 extra=owner.extra,
                 chunk_size=cfg.chunk_size,
+                request_state=owner.request_state,
             )
             scores = policy.score(ctx)
             if not policy.keep_layer_unchanged(self.layer_idx):
@@ -527,6 +528,7 @@ class PagedMultimodalCache(Cache):
         self.retrieval = retrieval
         self.info: RequestInfo | None = None
         self.extra: dict[str, Any] = {}  # per request, shared by the layers' eviction calls
+        self.request_state: Any = None  # what the eviction policy's prepare_request returned
         self.new_valid: torch.Tensor | None = None  # (B, Q): which of the tokens being fed are not padding
         self.step_extra: dict[str, Any] = {}  # per decode step, for retrieval policies (e.g. last_hidden)
         self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0}  # tensors once counted

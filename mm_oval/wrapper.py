@@ -30,7 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .errors import ConfigError, DataError, ModelError
-from .policies.base import make_eviction, make_retrieval
+from .policies.base import EvictionPolicy, make_eviction, make_retrieval
 from .stats import cache_stats
 
 logger = logging.getLogger(__name__)
@@ -230,6 +230,8 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
         _sync(input_ids)
         cache._t_request = time.perf_counter()
     try:
+        if cache.get_seq_length() == 0:
+            _prepare_request(model, cache, input_ids, kwargs)
         return model._mm_oval_generate(*args, **kwargs)
     finally:
         cache.__dict__.pop("_t_request", None)
@@ -246,8 +248,32 @@ def prefill(model: Any, **inputs: Any) -> PagedMultimodalCache:
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         inputs.setdefault("logits_to_keep", 1)
     with torch.no_grad():
+        _prepare_request(model, cache, inputs.get("input_ids"), inputs)
         model(**inputs, cache=cache, use_cache=True)
     return cache
+
+
+def _prepare_request(model: Any, cache: PagedMultimodalCache, input_ids: Any, kwargs: dict) -> None:
+    """Once per request, before the prefill forward: the eviction policy's own pass over the prompt (KVzip's
+    context reconstruction), kept in `cache.request_state`. Its time counts as prefill time."""
+    state = _state(model)
+    policy = state.eviction
+    if policy is None or not state.config.evicts or not isinstance(input_ids, torch.Tensor):
+        return
+    if type(policy).prepare_request is EvictionPolicy.prepare_request:  # nothing to prepare
+        return
+    pixel_values = kwargs.get("pixel_values")
+    _check_images(input_ids, pixel_values, model.config.image_token_id, state.tokens_per_image)
+    if "_t_request" not in cache.__dict__:
+        _sync(input_ids)
+        cache._t_request = time.perf_counter()
+    cache.request_state = policy.prepare_request(
+        model,
+        input_ids,
+        kwargs.get("attention_mask"),
+        pixel_values,
+        chunk_size=state.config.chunk_size,
+    )
 
 
 def _state(model: Any) -> WrapState:

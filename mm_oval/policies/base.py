@@ -41,6 +41,7 @@ class PrefillContext:
     module: Any = None  # the attention module (o_proj etc.), for policies that need the layer's weights
     extra: dict = field(default_factory=dict)  # per-request state shared across layers (e.g. FastV's ranking)
     chunk_size: int = 512  # query rows per chunk when a policy computes attention rows
+    request_state: Any = None  # what the policy's `prepare_request` returned for this request
 
     @property
     def valid(self) -> torch.Tensor:
@@ -67,6 +68,21 @@ class EvictionPolicy:
     def keep_layer_unchanged(self, layer_idx: int) -> bool:
         """True for layers the method leaves uncompressed (e.g. FastV's first layers)."""
         return False
+
+    def prepare_request(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        *,
+        chunk_size: int = 512,
+    ) -> Any:
+        """Called once per request, before the prefill forward (by the wrapped model's `generate` and by
+        `mm_oval.wrapper.prefill`), with the request's prompt. A method that needs its own pass over the
+        prompt (KVzip's context reconstruction) runs it here; what it returns is handed back to `score` as
+        `PrefillContext.request_state` for every layer of this request. Default: nothing to prepare."""
+        return None
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors the policy itself holds (learned weights, cached tables), counted in the stats'
