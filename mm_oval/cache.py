@@ -34,6 +34,7 @@ from .policies.base import (
     PageBatch,
     PrefillContext,
     RetrievalPolicy,
+    Rope,
     budget_count,
     make_eviction,
     make_retrieval,
@@ -203,7 +204,13 @@ class PagedLayer(CacheLayerMixin):
         valid = (info.modality != PAD).unsqueeze(1).expand(B, H, N)
         keep = valid
         policy = owner.eviction
+        hidden = self.__dict__.pop("_prefill_hidden", None)  # the attention input, kept when asked for
         if policy is not None and cfg.evicts:
+            if policy.needs_hidden_states and hidden is None:
+                raise ConfigError(
+                    f"eviction method {policy.name!r} reads each layer's hidden states: run it through a "
+                    "model wrapped with mm_oval.wrap"
+                )
             ctx = PrefillContext(
                 layer_idx=self.layer_idx,
                 keys=keys,
@@ -217,6 +224,8 @@ class PagedLayer(CacheLayerMixin):
                 extra=owner.extra,
                 chunk_size=cfg.chunk_size,
                 request_state=owner.request_state,
+                hidden_states=hidden if policy.needs_hidden_states else None,
+                rope=owner.rope,
             )
             scores = policy.score(ctx)
             if not policy.keep_layer_unchanged(self.layer_idx):
@@ -529,6 +538,7 @@ class PagedMultimodalCache(Cache):
         self.info: RequestInfo | None = None
         self.extra: dict[str, Any] = {}  # per request, shared by the layers' eviction calls
         self.request_state: Any = None  # what the eviction policy's prepare_request returned
+        self.rope: Rope | None = None  # the text model's RoPE, set by the wrapped model before prefill
         self.new_valid: torch.Tensor | None = None  # (B, Q): which of the tokens being fed are not padding
         self.step_extra: dict[str, Any] = {}  # per decode step, for retrieval policies (e.g. last_hidden)
         self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0}  # tensors once counted

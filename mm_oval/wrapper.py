@@ -30,7 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .errors import ConfigError, DataError, ModelError
-from .policies.base import EvictionPolicy, make_eviction, make_retrieval
+from .policies.base import EvictionPolicy, Rope, make_eviction, make_retrieval
 from .stats import cache_stats
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class WrapState:
     hooks: list = field(default_factory=list)
     last_stats: dict | None = None
     tokens_per_image: int = 0
+    rope: Rope | None = None  # the language model's rotary embedding, handed to eviction policies
 
 
 def _language_model(model: Any) -> Any:
@@ -148,6 +149,7 @@ def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
         cache.prepare(
             input_ids, kwargs.get("attention_mask"), model.config.image_token_id, state.tokens_per_image
         )
+        cache.rope = state.rope
         cache._phase_now = "prefill"
     else:
         cache._phase_now = "decode"
@@ -189,6 +191,19 @@ def _norm_hook(cache_box: dict, module: Any, args: tuple, output: Any) -> None:
     cache = cache_box.get("cache")
     if cache is not None and cache.retrieval is not None and isinstance(output, torch.Tensor):
         cache.step_extra["last_hidden"] = output[:, -1].detach()
+
+
+def _attn_pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
+    """Keeps a layer's attention input (the hidden states after its input norm) for the prefill's eviction
+    policy when that policy reads hidden states; nothing otherwise."""
+    cache = _cache_from_kwargs(kwargs)
+    if not isinstance(cache, PagedMultimodalCache) or cache.eviction is None:
+        return
+    if not cache.eviction.needs_hidden_states:
+        return
+    layer = cache.layers[module.layer_idx]
+    if layer.phase == "empty":  # this forward is the layer's prefill
+        layer._prefill_hidden = kwargs.get("hidden_states", args[0] if args else None)
 
 
 def _lm_pre_hook(cache_box: dict, module: Any, args: tuple, kwargs: dict) -> None:
@@ -303,6 +318,8 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     if inner.startswith(PREFIX):
         inner = inner[len(PREFIX) :]
     state = WrapState(config, inner, eviction, retrieval, tokens_per_image=_tokens_per_image(model))
+    rotary = getattr(lm, "rotary_emb", None)
+    state.rope = Rope(rotary) if rotary is not None else None
     lm.config._attn_implementation = _register(inner)
     model._mm_oval = state
     model._mm_oval_cache_box = {"cache": None}
@@ -317,6 +334,10 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
             functools.partial(_lm_pre_hook, model._mm_oval_cache_box), with_kwargs=True
         )
     )
+    for layer in lm.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and getattr(attn, "layer_idx", None) is not None:
+            state.hooks.append(attn.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))
     norm = getattr(lm, "norm", None)
     if norm is not None:
         state.hooks.append(

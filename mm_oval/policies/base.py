@@ -13,6 +13,7 @@ Adding a method is one class here (or in a sibling file) plus `register_eviction
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -23,6 +24,35 @@ from ..stats import iter_tensors
 
 # modality codes used everywhere (cache, policies, stats)
 TEXT, IMAGE, PAD = 0, 1, -1
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The text model's rotary position embedding, for any positions: `rotary_emb(x, position_ids)` is the
+    model's own module (e.g. `LlamaRotaryEmbedding`, `model.model.language_model.rotary_emb`), returning
+    cos, sin of shape (B, M, D) with the halves convention of transformers' `rotate_half`. Shared, never
+    copied (a `cache.copy()` keeps pointing at the model's module)."""
+
+    rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, M) long positions (padding's -1 read as 0) -> cos, sin, each (B, M, D) fp32."""
+        x = torch.zeros(1, dtype=torch.float32, device=positions.device)
+        cos, sin = self.rotary_emb(x, positions.clamp(min=0).long())
+        return cos.float(), sin.float()
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """RoPE of `x` (B, H, M, D) at `positions` (B, M), in fp32; `inverse=True` undoes it (the
+        queries or keys as they were before RoPE)."""
+        cos, sin = self.cos_sin(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x = x.float()
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos - rot * sin if inverse else x * cos + rot * sin
+
+    def __deepcopy__(self, memo: dict) -> Rope:
+        return self
 
 
 @dataclass
@@ -41,6 +71,10 @@ class PrefillContext:
     module: Any = None  # the attention module (o_proj etc.), for policies that need the layer's weights
     extra: dict = field(default_factory=dict)  # per-request state shared across layers (e.g. FastV's ranking)
     chunk_size: int = 512  # query rows per chunk when a policy computes attention rows
+    hidden_states: torch.Tensor | None = None  # (B, N, hidden): the attention module's input (after the
+    # layer's input norm), as kvpress's `score(module, hidden_states, ...)` gets it; None unless the policy
+    # sets `needs_hidden_states`
+    rope: Rope | None = None  # the text model's RoPE (cos, sin for any positions, e.g. future ones)
     request_state: Any = None  # what the policy's `prepare_request` returned for this request
 
     @property
@@ -52,15 +86,32 @@ class PrefillContext:
         assert self.queries is not None
         return self.queries.shape[1] // self.keys.shape[1]
 
+    def prerope_queries(self) -> torch.Tensor:
+        """(B, Hq, N, D) fp32: the layer's queries before RoPE, formed from `hidden_states` with the attention
+        module's `q_proj` (and `q_norm` where the model has one), as kvpress forms them."""
+        if self.hidden_states is None or self.module is None or not hasattr(self.module, "q_proj"):
+            raise ConfigError(
+                "this method forms queries from the layer's hidden states: set needs_hidden_states = True "
+                "and run it inside a model wrapped with mm_oval.wrap (a Llama-style attention with q_proj)"
+            )
+        B, N, _ = self.hidden_states.shape
+        q = self.module.q_proj(self.hidden_states).view(B, N, -1, self.module.head_dim).transpose(1, 2)
+        norm = getattr(self.module, "q_norm", None)
+        return (norm(q) if norm is not None else q).float()
+
 
 class EvictionPolicy:
     """Scores prompt tokens per KV head once prefill of a layer is done. Subclasses set `name` and
     override `score`. `needs_queries = True` makes the cache pass the layer's queries (the attention
     rows a method uses must then be computed in chunks, never the full N x N matrix).
+    `needs_hidden_states = True` makes a wrapped model keep each layer's attention input during prefill
+    and pass it as `ctx.hidden_states` (other methods pay nothing); `ctx.module` and `ctx.rope` form queries
+    from it (`ctx.prerope_queries()`, RoPE at any position).
     Scores of padding tokens are ignored (the cache never keeps padding)."""
 
     name: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = False
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:  # (B, Hkv, N), float; higher = keep
         raise NotImplementedError
@@ -181,7 +232,7 @@ def _load_builtin_policies() -> None:
     """Import the files that register the project's methods (a missing optional file is skipped)."""
     import importlib
 
-    for mod in ("heuristics", "kvp", "pagebases", "router"):
+    for mod in ("heuristics", "kvp", "pagebases", "router", "expected"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as e:  # a family not built yet
