@@ -53,6 +53,44 @@ def table(rows: dict[str, dict], title: str, shared: bool = False) -> str:
     return "\n".join(out)
 
 
+def kvzip_scorer(model, processor, held: list[dict], heldout: str, followups: int):
+    """KVzip as a trace scorer: it needs the model (its reconstruction pass), not only a trace's tensors, so
+    each held-out trace's sample is found again by its id in `heldout` and its prompt, tokenised as the
+    capture tokenised it, goes through KVzip's pre-pass. None (with a warning) when the samples are not found
+    or the prompt differs from the trace's."""
+    from mm_oval.errors import MmOvalError
+    from mm_oval.training.traces import _conversation, _tokenise
+
+    pol = make_eviction("kvzip")
+    try:
+        pol.bind(model)
+        by_id = {
+            s.sample_id: s
+            for s in load_samples(heldout, followups=followups if heldout.startswith("zoo") else 0)
+        }
+    except MmOvalError as e:
+        log.warning("kvzip skipped: %s", e)
+        return None
+    scores: dict[str, list[torch.Tensor]] = {}
+    for t in held:
+        sample = by_id.get(t["sample_id"])
+        if sample is None:
+            log.warning(
+                "kvzip skipped: held-out sample %s is not in %s (pass --heldout)", t["sample_id"], heldout
+            )
+            return None
+        prompt = processor.apply_chat_template(_conversation(sample, None), add_generation_prompt=True)
+        inputs = _tokenise(processor, sample, prompt)
+        state = pol.prepare_request(
+            model, inputs["input_ids"], inputs.get("attention_mask"), inputs.get("pixel_values")
+        )
+        if state.scores[0].shape[-1] != t["utility"].shape[-1]:
+            log.warning("kvzip skipped: sample %s's prompt is not the trace's", t["sample_id"])
+            return None
+        scores[t["sample_id"]] = [s[0].float() for s in state.scores]
+    return lambda trace, layer: scores[trace["sample_id"]][layer]
+
+
 def load_model(spec: str):
     from mm_oval.training.cli_kvp import load_model as _load
 
@@ -162,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("%s skipped: the traces hold no queries", name)
             continue
         rows[name] = asdict(heldout_cost(policy_scorer(pol), held, cfg.sinks, cfg.recent))
+    kvzip = kvzip_scorer(model, processor, held, args.heldout, args.followups)
+    if kvzip is not None:
+        rows["kvzip"] = asdict(heldout_cost(kvzip, held, cfg.sinks, cfg.recent))
     rows["optimal"] = asdict(heldout_cost(oracle_scorer, held, cfg.sinks, cfg.recent, shared_normalise=False))
     results["methods"] = rows
     print(
