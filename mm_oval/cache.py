@@ -40,6 +40,7 @@ from .policies.base import (
     make_retrieval,
     topk_mask,
 )
+from .policies.budgets import Allocation, check_policy, pyramid_counts, shared_head_keep
 
 logger = logging.getLogger(__name__)
 
@@ -101,30 +102,45 @@ def request_info(
     return RequestInfo(modality, positions, image_rc, protected)
 
 
-def choose_kept(scores: torch.Tensor, info: RequestInfo, config: OvalConfig) -> torch.Tensor:
+def choose_kept(
+    scores: torch.Tensor,
+    info: RequestInfo,
+    config: OvalConfig,
+    allocation: Allocation | None = None,
+    layer: int = 0,
+    num_layers: int = 1,
+) -> torch.Tensor:
     """(B, Hkv, N) scores -> (B, Hkv, N) bool: per sample and KV head, the protected tokens plus the
     top-scored ones, within each modality's budget (scope "image") or all together (scope "all").
-    With head_budget "shared" the KV heads of the layer keep Hkv times a head's count between them, the
-    top of all (head, token) scores together: a head whose tokens score higher keeps more, another fewer
-    (protected tokens still in every head)."""
+
+    `allocation` (mm_oval.policies.budgets; default: the uniform one) divides the budget: with a PyramidKV
+    schedule, `layer` of `num_layers` (the layers that evict) keeps the protected tokens plus its share of
+    the rest, the layers' counts summing to `num_layers` times the uniform count; with heads shared (AdaKV,
+    or head_budget "shared", which is AdaKV with alpha 0) the KV heads of the layer keep Hkv times a head's
+    count between them, the top of all (head, token) scores together after each head's safeguard: a head
+    whose tokens score higher keeps more, another fewer (protected tokens still in every head)."""
     B, H, N = scores.shape
+    alloc = (allocation or Allocation()).with_head_budget(config.head_budget)
     mod = info.modality.unsqueeze(1).expand(B, H, N)
     prot = info.protected.unsqueeze(1).expand(B, H, N)
-    s = scores.float().masked_fill(prot, float("inf"))
+    # protected tokens above every score, also a method's own +inf (SnapKV's observation window)
+    s = scores.float().clamp(max=torch.finfo(torch.float32).max).masked_fill(prot, float("inf"))
     counts = {}
     for m, budget in ((IMAGE, config.budget), (TEXT, config.text_budget)):
         n = (info.modality == m).sum(-1)  # (B,)
         p = (info.protected & (info.modality == m)).sum(-1)
-        counts[m] = (budget_count(budget, n), p)
-    groups = [((mod != PAD), counts[IMAGE][0] + counts[TEXT][0], counts[IMAGE][1] + counts[TEXT][1])]
+        counts[m] = (budget_count(budget, n), p, n)
+    im, tx = counts[IMAGE], counts[TEXT]
+    groups = [((mod != PAD), im[0] + tx[0], im[1] + tx[1], im[2] + tx[2])]
     if config.scope != "all":
-        groups = [((mod == m), k, p) for m, (k, p) in counts.items()]
+        groups = [((mod == m), k, p, n) for m, (k, p, n) in counts.items()]
     keep = torch.zeros_like(prot)
-    for eligible, k, p in groups:
+    for eligible, k, p, n in groups:
         k = torch.maximum(k, p)  # (B,) tokens per head
-        if config.head_budget == "shared":
-            joint = topk_mask(s.reshape(B, H * N), eligible.reshape(B, H * N), k * H)
-            keep |= joint.view(B, H, N)
+        if alloc.pyramid_beta is not None:  # this layer's share of the layers' total beyond the protected
+            k = p + pyramid_counts(k - p, n - p, num_layers, alloc.pyramid_beta)[:, layer]
+        if alloc.share_heads:
+            keep |= shared_head_keep(s, eligible, k, alloc.alpha_safeguard)
         else:
             keep |= topk_mask(s, eligible, k.view(B, 1).expand(B, H))
     return keep
@@ -234,7 +250,11 @@ class PagedLayer(CacheLayerMixin):
                         f"eviction method {policy.name!r} returned scores of shape {tuple(scores.shape)}, "
                         f"expected {(B, H, N)}"
                     )
-                keep = choose_kept(scores, info, cfg) & valid
+                # the budget's division (PyramidKV over the layers that evict, AdaKV over the heads)
+                evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
+                alloc = Allocation.of(policy, cfg.head_budget)
+                rank = evicting.index(self.layer_idx)
+                keep = choose_kept(scores, info, cfg, alloc, rank, len(evicting)) & valid
         args = (
             info.modality,
             info.positions,
@@ -533,6 +553,7 @@ class PagedMultimodalCache(Cache):
             eviction = make_eviction(config.method, **config.method_options)
         if retrieval is None and config.retrieval:
             retrieval = make_retrieval(config.retrieval, **config.retrieval_options)
+        check_policy(eviction, config.head_budget)  # a budget shared by the heads needs comparable scores
         self.eviction = eviction
         self.retrieval = retrieval
         self.info: RequestInfo | None = None

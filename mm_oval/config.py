@@ -34,7 +34,8 @@ class OvalConfig:
     text_budget: float | int = 1.0  # text tokens kept
     scope: str = "image"  # "image": per-modality ranking; "all": modality-blind at the same total count
     # "uniform": every KV head keeps the same count; "shared": a layer's heads share Hkv x that count, ranked
-    # jointly on the method's scores (which must then be comparable across heads)
+    # jointly on the method's scores (AdaKV with alpha_safeguard 0; the method must declare its scores
+    # comparable across heads, see mm_oval/policies/budgets.py)
     head_budget: str = "uniform"
     sink_tokens: int = 4
     recent_tokens: int = 16
@@ -78,6 +79,10 @@ class OvalConfig:
             raise ConfigError("method 'full' takes no options")
         if not isinstance(self.method_options, dict) or not isinstance(self.retrieval_options, dict):
             raise ConfigError("method_options and retrieval_options must be dicts")
+        if self.method != "full":  # a budget shared by the heads needs a scorer whose scores allow it
+            from .policies.budgets import check_spec
+
+            check_spec(self.method, self.method_options, self.head_budget)
 
     @property
     def evicts(self) -> bool:

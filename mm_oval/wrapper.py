@@ -31,6 +31,7 @@ from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .errors import ConfigError, DataError, ModelError
 from .policies.base import EvictionPolicy, Rope, make_eviction, make_retrieval
+from .policies.budgets import check_policy
 from .stats import cache_stats
 
 logger = logging.getLogger(__name__)
@@ -312,6 +313,7 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
         retrieval,
     ):  # learned parts and model-dependent options checked against the model
         getattr(policy, "bind", lambda m: None)(model)
+    check_policy(eviction, config.head_budget)  # head_budget="shared" needs scores comparable across heads
     if getattr(model, "_mm_oval", None) is not None:
         unwrap(model)
     inner = lm.config._attn_implementation or "eager"

@@ -112,6 +112,10 @@ class EvictionPolicy:
     name: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False
+    # True when the scores of a layer's KV heads are on one scale, so that a budget shared by the heads (AdaKV,
+    # head_budget="shared") may rank them jointly; False makes the configuration refuse such a budget
+    # (policies/budgets.py). A policy whose answer depends on its options makes this a property.
+    comparable_across_heads: ClassVar[bool] = False
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:  # (B, Hkv, N), float; higher = keep
         raise NotImplementedError
@@ -232,7 +236,7 @@ def _load_builtin_policies() -> None:
     """Import the files that register the project's methods (a missing optional file is skipped)."""
     import importlib
 
-    for mod in ("heuristics", "kvp", "pagebases", "router", "expected"):
+    for mod in ("heuristics", "kvp", "pagebases", "router", "expected", "budgets"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as e:  # a family not built yet

@@ -76,6 +76,8 @@ class RandomEviction(EvictionPolicy):
     """Uniformly random tokens (seeded)."""
 
     name = "random"
+    # i.i.d. uniform in every head: ranked jointly, the heads' shares are as random as the tokens
+    comparable_across_heads = True
     seed: int = 0
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:
@@ -89,6 +91,7 @@ class StreamingLLM(EvictionPolicy):
     """Sinks + the most recent tokens (Xiao et al. 2023): the score is the position."""
 
     name = "streamingllm"
+    comparable_across_heads = True  # the position, the same in every head
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:
         return _per_kv_head(ctx, ctx.positions.float())
@@ -100,6 +103,9 @@ class KNorm(EvictionPolicy):
     """Keep the keys of smallest L2 norm (Devoto et al. 2024: low key norm goes with high attention)."""
 
     name = "knorm"
+    # key norms have a scale of their own in each head (some heads' keys are several times longer): a joint
+    # ranking would hand the whole budget to the heads with short keys
+    comparable_across_heads = False
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:
         return -ctx.keys.float().norm(dim=-1)
@@ -111,6 +117,8 @@ class KeyDiff(EvictionPolicy):
     """Keep the keys most different from the mean key direction (Park et al. 2025): score = -cos(k, anchor)."""
 
     name = "keydiff"
+    # a cosine, in [-1, 1] in every head: a head whose keys all point the same way (redundant) gives up tokens
+    comparable_across_heads = True
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:
         k = F.normalize(ctx.keys.float(), dim=-1)
@@ -129,6 +137,7 @@ class H2O(EvictionPolicy):
 
     name = "h2o"
     needs_queries = True
+    comparable_across_heads = True  # attention: every query row of every head spreads the same mass, 1
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:
         return group_reduce(column_sums(ctx), ctx.num_kv_groups)
@@ -142,6 +151,7 @@ class TOVA(EvictionPolicy):
 
     name = "tova"
     needs_queries = True
+    comparable_across_heads = True  # one attention row per head, each summing to 1
     per_head: bool = True
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:
@@ -160,6 +170,7 @@ class SnapKV(EvictionPolicy):
 
     name = "snapkv"
     needs_queries = True
+    comparable_across_heads = True  # attention mass from the window, the same total in every head (AdaKV's)
     window: int = 32
     kernel: int = 5
     pooling: str = "avgpool"
@@ -200,6 +211,7 @@ class FastV(EvictionPolicy):
 
     name = "fastv"
     needs_queries = True
+    comparable_across_heads = True  # one ranking (mean over heads) shared by every head
     layer: int = 2
 
     def __post_init__(self) -> None:

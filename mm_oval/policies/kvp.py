@@ -514,13 +514,20 @@ class KVPPolicy(EvictionPolicy):
     the agents' recorded shape and fingerprint at once; otherwise each layer is checked on first use
     (shape from the keys, fingerprint from the layer's k_proj / v_proj).
 
-    `score` returns (B, Hkv, N) scores whose per-head order is the agents' ranking and whose values are
-    comparable across the heads of a layer (the cache may rank them jointly for a budget shared across
-    heads): raw scores of agents trained with `joint_heads`, per-head log-softmax normalised otherwise. `score_tokens` scores tokens arriving during decode on the same
+    `score` returns (B, Hkv, N) scores whose per-head order is the agents' ranking: raw scores of agents
+    trained with `joint_heads` (one scale across a layer's heads: a budget shared by the heads, AdaKV or
+    `head_budget="shared"`, accepts them), per-head log-softmax normalised otherwise (refused there:
+    `comparable_across_heads`). `score_tokens` scores tokens arriving during decode on the same
     scale (normalised by the prefill's per-head log-partition, kept in ctx.extra)."""
 
     name = "kvp"
     needs_queries = False
+
+    @property
+    def comparable_across_heads(self) -> bool:  # type: ignore[override]
+        """Joint-heads agents were trained on one ranking over a layer's heads; per-head agents rank each
+        head on its own, and their log-softmax normalisation does not make two heads' scores one scale."""
+        return bool(self.agents.config.joint_heads)
 
     def __init__(
         self,

@@ -1,0 +1,366 @@
+"""PyramidKV and AdaKV: budgets over layers and over a layer's heads for any scorer. The schedule is
+kvpress's; the totals are the uniform budget's exactly (per sample and modality, at batch 2 with left
+padding); the choices differ from SnapKV's and KeyDiff's where the papers say they should."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+import mm_oval
+from mm_oval.cache import choose_kept, request_info
+from mm_oval.config import OvalConfig
+from mm_oval.policies.base import (
+    EVICTION_REGISTRY,
+    IMAGE,
+    PAD,
+    TEXT,
+    EvictionPolicy,
+    PrefillContext,
+    budget_count,
+    make_eviction,
+    register_eviction,
+)
+from mm_oval.policies.budgets import Allocation, pyramid_counts
+from mm_oval.stats import get_stats
+from mm_oval.wrapper import prefill
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- the schedule --------------------------------------------------------------------------------
+
+
+def kvpress_layer_budget(layer: int, num_layers: int, q_len: int, kept: float, beta: float, window: int = 0):
+    """kvpress's PyramidKVPress.get_layer_budget, transcribed (kept = q_len * (1 - compression_ratio))."""
+    max_capacity_prompt = window + kept
+    min_num = (max_capacity_prompt - window) / beta
+    max_num = (max_capacity_prompt - window) * 2 - min_num
+    if max_num >= q_len - window:
+        max_num = q_len - window
+        min_num = (max_capacity_prompt - window) * 2 - max_num
+    if not (q_len >= max_num >= min_num >= window):
+        return round(kept)
+    steps = (max_num - min_num) / (num_layers - 1)
+    return round(max_num - layer * steps)
+
+
+def test_pyramid_schedule_is_kvpress_formula_on_hand_worked_numbers():
+    def counts(c, d, L, beta):
+        return pyramid_counts(torch.tensor([c]), torch.tensor([d]), L, beta)[0].tolist()
+
+    # c = 10 of d = 40, 4 layers, beta 20: min 0.5, max 19.5, step 19/3 -> 19.5, 13.17, 6.83, 0.5
+    assert counts(10, 40, 4, 20) == [20, 13, 7, 0]
+    # c = 30 of 40: max 58.5 passes 40, so max = 40 and min = 60 - 40 = 20 -> 40, 30, 20
+    assert counts(30, 40, 3, 20) == [40, 30, 20]
+    # halves round to even, as Python's round: 4.5, 1.5 -> 4, 2
+    assert counts(3, 10, 2, 2) == [4, 2]
+    assert counts(5, 5, 4, 20) == [5, 5, 5, 5]  # keep-all stays keep-all
+    assert counts(7, 9, 1, 20) == [7]  # one layer: the uniform count
+    # LLaVA-1.5-7B's shape: 32 layers, 144 of 576 image tokens (25%), and other cases, term by term
+    for c, d, L, beta in [
+        (144, 576, 32, 20),
+        (58, 576, 32, 20),
+        (400, 576, 32, 5),
+        (3, 60, 32, 1),
+        (17, 23, 7, 3),
+    ]:
+        want = [kvpress_layer_budget(i, L, d, c, beta) for i in range(L)]
+        assert counts(c, d, L, beta) == want, (c, d, L, beta)
+
+
+def test_pyramid_schedule_totals_are_exact_and_fall_with_depth():
+    g = torch.Generator().manual_seed(0)
+    d = torch.randint(1, 700, (400,), generator=g)
+    c = (torch.rand(400, generator=g) * (d + 1)).long().clamp(max=d)
+    for L, beta in [(32, 20), (4, 1.5), (5, 7.3), (2, 1)]:
+        out = pyramid_counts(c, d, L, beta)
+        assert (out.sum(-1) == L * c).all()
+        assert ((out >= 0) & (out <= d.unsqueeze(-1))).all()
+        assert (out[:, :-1] >= out[:, 1:]).all()  # more tokens in lower layers
+    with pytest.raises(mm_oval.ConfigError, match="beta must be"):
+        make_eviction("pyramidkv", beta=0.5)
+
+
+# ---- hand-worked choices against SnapKV and KeyDiff --------------------------------------------------
+
+
+def _hand_ctx(layer: int = 0) -> tuple[PrefillContext, object]:
+    """Two KV heads, six text tokens. SnapKV with window 1 and kernel 1 scores a token by the last query's
+    attention to it; the last query is (1, 0) and key j is (log w_j + 5, y_j), so attention is w_j / sum(w).
+    Head 0: w = 1 1 1 1 1 6 (1/11 each, the window token kept); head 1: w = 3 2 2 2 1 1. Token 4's key points
+    elsewhere (y = 8), which only KeyDiff sees."""
+    w = torch.tensor([[1.0, 1, 1, 1, 1, 6], [3, 2, 2, 2, 1, 1]])
+    keys = torch.zeros(1, 2, 6, 2)
+    keys[0, :, :, 0] = w.log() + 5
+    keys[0, :, 4, 1] = 8.0
+    queries = torch.zeros(1, 2, 6, 2)
+    queries[0, :, :, 0] = 1.0
+    ids = torch.full((1, 6), 7)
+    info = request_info(ids, None, image_token_id=99, tokens_per_image=16, sink_tokens=0, recent_tokens=0)
+    ctx = PrefillContext(
+        layer_idx=layer,
+        keys=keys,
+        values=torch.randn(1, 2, 6, 2),
+        queries=queries,
+        positions=info.positions,
+        modality=info.modality,
+        image_rc=info.image_rc,
+        scaling=1.0,
+    )
+    return ctx, info
+
+
+def _kept(spec: str, layer: int = 0, num_layers: int = 2) -> list[list[int]]:
+    cfg = OvalConfig.from_spec(spec, text_budget=0.5, sink_tokens=0, recent_tokens=0)  # 3 of 6 per head
+    pol = make_eviction(cfg.method, **cfg.method_options)
+    ctx, info = _hand_ctx(layer)
+    keep = choose_kept(pol.score(ctx), info, cfg, Allocation.of(pol, cfg.head_budget), layer, num_layers)
+    return [keep[0, h].nonzero().flatten().tolist() for h in range(2)]
+
+
+SNAP = "window=1,kernel=1"
+
+
+def test_adakv_and_pyramidkv_choose_otherwise_than_snapkv_and_keydiff_on_a_hand_worked_case():
+    snap = _kept(f"snapkv:{SNAP}")
+    keydiff = _kept("keydiff")
+    assert snap == [
+        [0, 1, 5],
+        [0, 1, 5],
+    ]  # 3 per head: the window token, then the highest votes (ties: first)
+    assert keydiff == [[0, 1, 4], [0, 1, 4]]  # token 4's key is the odd one out
+    # AdaKV: 6 tokens for the two heads. The window tokens (inf), then 3/11, 2/11, 2/11, 2/11 of head 1 beat
+    # head 0's 1/11s: head 0 keeps one token, head 1 five
+    ada = _kept(f"adakv:alpha_safeguard=0,{SNAP}")
+    assert ada == [[5], [0, 1, 2, 3, 5]]
+    assert _kept(f"adakv:{SNAP}") == ada  # the default safeguard 0.2 guarantees floor(0.6) = 0 tokens
+    # PyramidKV, 2 layers, beta 3: c = 3 of d = 6 -> min 1, max 5: layer 0 keeps 5 per head, layer 1 one
+    assert _kept(f"pyramidkv:beta=3,{SNAP}", layer=0) == [[0, 1, 2, 3, 5]] * 2
+    assert _kept(f"pyramidkv:beta=3,{SNAP}", layer=1) == [[5]] * 2
+    # under KeyDiff the pyramid keeps KeyDiff's order
+    assert _kept("pyramidkv:scorer=keydiff,beta=3", layer=1) == [[4]] * 2
+
+
+def test_adakv_safeguard_keeps_each_head_its_share_and_the_better_head_the_rest():
+    # alpha 0.7: each head keeps its top floor(0.7 * 3) = 2 first (head 0: the window token and token 0);
+    # the remaining 2 of 6 go to head 1's 2/11s
+    assert _kept(f"adakv:alpha_safeguard=0.7,{SNAP}") == [[0, 5], [0, 1, 2, 5]]
+    assert _kept(f"adakv:alpha_safeguard=1.0,{SNAP}") == _kept(f"snapkv:{SNAP}")  # alpha 1 is uniform
+    # head_budget=shared is AdaKV with alpha 0 over the configured method
+    assert _kept(f"snapkv:head_budget=shared,{SNAP}") == _kept(f"adakv:alpha_safeguard=0,{SNAP}")
+    # random scores: a head whose scores are all above the other's takes everything beyond the safeguard
+    info = _toy_info()
+    s = torch.rand(2, 3, 40, generator=torch.Generator().manual_seed(0))
+    s[:, 2] += 10.0
+    cfg = OvalConfig(method="adakv", budget=6, text_budget=0.5, sink_tokens=2, recent_tokens=3)
+    for alpha in (0.0, 0.25, 0.5):
+        keep = choose_kept(s, info, cfg, Allocation(share_heads=True, alpha_safeguard=alpha))
+        img = (keep & (info.modality == IMAGE).unsqueeze(1)).sum(-1)  # (B, H)
+        assert (img.sum(-1) == 3 * 6).all()
+        safe = max(math.floor(alpha * 6), 2)  # the 2 sinks are image tokens here, kept in every head
+        assert (img[:, :2] == safe).all() and (img[:, 2] == 18 - 2 * safe).all()
+
+
+def _toy_info(B=2, N=40, n_img=16, pad=(0, 5), sink=2, recent=3):
+    ids = torch.full((B, N), 7)
+    mask = torch.ones(B, N, dtype=torch.long)
+    for b in range(B):
+        mask[b, : pad[b]] = 0
+        ids[b, pad[b] : pad[b] + n_img] = 99
+    return request_info(
+        ids, mask, image_token_id=99, tokens_per_image=16, sink_tokens=sink, recent_tokens=recent
+    )
+
+
+# ---- the wrapped model: exact totals at batch 2 with left padding ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_random_llava):
+    _, processor = tiny_random_llava
+    g = torch.Generator().manual_seed(5)
+    imgs = [
+        Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
+        for _ in range(2)
+    ]
+    texts = [
+        "USER: <image>\nwhat color is the circle ? ASSISTANT:",
+        "USER: <image>\nhow many red objects are there in the picture now ? ASSISTANT:",
+    ]
+    out = processor(images=imgs, text=texts, return_tensors="pt", padding=True)
+    assert out["attention_mask"][0, 0] == 0  # the shorter prompt is padded on the left
+    return out
+
+
+def _per_layer_counts(cache) -> torch.Tensor:
+    """(L, B, H, 2) kept prompt tokens per layer, sample, head and modality (image, text)."""
+    out = []
+    for layer in cache.layers:
+        ok, mod = layer.slot_valid, layer.slot_mod
+        out.append(torch.stack([(ok & (mod == IMAGE)).sum(-1), (ok & (mod == TEXT)).sum(-1)], -1))
+    return torch.stack(out)
+
+
+def _run(model, inputs, spec, **kw):
+    cfg = OvalConfig.from_spec(spec, **kw)
+    mm_oval.wrap(model, cfg)
+    try:
+        cache = prefill(model, **inputs)
+        info = cache.info
+        for layer in cache.layers:  # never padding; sinks and the recent window in every head
+            src = layer.slot_src
+            assert not ((layer.slot_mod == PAD) & layer.slot_valid).any()
+            for b in range(src.shape[0]):
+                prot = info.protected[b].nonzero().flatten()
+                for h in range(src.shape[1]):
+                    assert set(prot.tolist()) <= set(src[b, h][layer.slot_valid[b, h]].tolist())
+        counts = _per_layer_counts(cache)
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        return counts, info, get_stats(model)
+    finally:
+        mm_oval.unwrap(model)
+
+
+def _uniform_counts(info, budget, text_budget, scope="image"):
+    """The uniform budget's tokens per head, the rule of docs/wrap.md (protected inside): (B, 2) image and
+    text, or (B, 1) with scope "all" (both budgets' counts ranked together)."""
+    ks, ps = [], []
+    for m, b in ((IMAGE, budget), (TEXT, text_budget)):
+        ks.append(budget_count(b, (info.modality == m).sum(-1)))
+        ps.append((info.protected & (info.modality == m)).sum(-1))
+    if scope == "all":
+        return torch.maximum(ks[0] + ks[1], ps[0] + ps[1]).unsqueeze(-1)
+    return torch.stack([torch.maximum(k, p) for k, p in zip(ks, ps)], -1)
+
+
+@pytest.mark.parametrize(
+    "spec", ["pyramidkv", "pyramidkv:scorer=keydiff,beta=4", "pyramidkv:scorer=h2o,head_budget=shared"]
+)
+def test_pyramidkv_keeps_the_uniform_total_over_layers_per_sample_and_modality(
+    tiny_random_llava, inputs, spec
+):
+    model, _ = tiny_random_llava
+    kw = dict(budget=0.25, text_budget=0.5)
+    counts, info, stats = _run(model, inputs, spec, **kw)
+    uni_counts, _, uni_stats = _run(model, inputs, "snapkv", **kw)
+    L, B, H, _ = counts.shape
+    per_head = _uniform_counts(info, **kw)  # (B, 2)
+    assert (uni_counts == per_head.view(1, B, 1, 2)).all()
+    # over the layers: each sample, head and modality keeps L times the uniform count...
+    if "head_budget=shared" in spec:  # ... summed over heads when the heads share
+        assert (counts.sum((0, 2)) == L * H * per_head).all()
+    else:
+        assert (counts.sum(0) == L * per_head.view(B, 1, 2)).all()
+    # ... divided on the schedule: lower layers keep more
+    tot = counts.sum(2)  # (L, B, 2)
+    assert (tot[:-1] >= tot[1:]).all() and (tot[0, :, 0] > tot[-1, :, 0]).all()
+    # the stats report what was kept: per layer (mean over heads, summed over the batch) and in total
+    for layer_stats, c in zip(stats["layers"], counts):
+        assert layer_stats["image_tokens_kept"] == pytest.approx(c[..., 0].sum().item() / H)
+        assert layer_stats["text_tokens_kept"] == pytest.approx(c[..., 1].sum().item() / H)
+    assert stats["kv_bytes_kept"] == uni_stats["kv_bytes_kept"]
+    assert stats["image_kv_fraction_kept"] == uni_stats["image_kv_fraction_kept"]
+    assert stats["method"] == spec.split(":")[0]
+
+
+@pytest.mark.parametrize(
+    "spec", ["adakv", "adakv:scorer=tova,alpha_safeguard=0", "adakv:scorer=pyramidkv,beta=4"]
+)
+@pytest.mark.parametrize("scope", ["image", "all"])
+def test_adakv_keeps_the_uniform_total_per_layer_over_heads(tiny_random_llava, inputs, spec, scope):
+    model, _ = tiny_random_llava
+    kw = dict(budget=0.25, text_budget=0.5, scope=scope)
+    counts, info, stats = _run(model, inputs, spec, **kw)
+    L, B, H, _ = counts.shape
+    per_head = _uniform_counts(info, 0.25, 0.5, scope)  # (B, 2) or (B, 1)
+    if scope == "all":
+        counts = counts.sum(-1, keepdim=True)
+    per_layer = counts.sum(2)  # (L, B, M): the heads' total
+    if "pyramidkv" in spec:  # the layers follow the pyramid, the heads share each layer's count
+        assert (per_layer.sum(0) == L * H * per_head).all()
+        assert (per_layer[0, :, 0] > per_layer[-1, :, 0]).all()
+    else:
+        assert (per_layer == H * per_head).all()
+    assert (
+        counts[..., 0].amax(-1) > counts[..., 0].amin(-1)
+    ).any()  # some layer's heads keep different counts
+    if spec == "adakv" and scope == "image":  # the safeguard: each head at least floor(0.2 k) of its modality
+        assert (counts >= torch.floor(0.2 * per_head.view(1, B, 1, -1))).all()
+    kept_bytes = stats["kv_bytes_kept"]
+    _, _, uni = _run(model, inputs, "snapkv", **kw)
+    assert kept_bytes == uni["kv_bytes_kept"]
+
+
+def test_pyramidkv_runs_its_schedule_over_the_layers_its_scorer_evicts(tiny_random_llava, inputs):
+    model, _ = tiny_random_llava
+    counts, info, _ = _run(
+        model, inputs, "pyramidkv:scorer=fastv,layer=1,beta=4", budget=0.25, text_budget=1.0
+    )
+    n_img = (info.modality == IMAGE).sum(-1)
+    per_head = _uniform_counts(info, 0.25, 1.0)
+    assert (counts[:2, :, :, 0] == n_img.view(1, -1, 1)).all()  # FastV keeps layers 0 and 1 whole
+    assert (counts[2:, :, :, 0].sum(0) == 2 * per_head[:, :1]).all()  # layers 2 and 3 share twice the budget
+    assert (counts[2, :, :, 0] > counts[3, :, :, 0]).all()
+
+
+# ---- delegation -------------------------------------------------------------------------------------
+
+
+def test_the_wrappers_hand_the_cache_everything_their_scorer_asks_for(tiny_random_llava, inputs):
+    calls: dict[str, int] = {}
+
+    @register_eviction
+    class Probe(EvictionPolicy):
+        name = "probe_for_budgets"
+        needs_queries = True
+        needs_hidden_states = True
+        comparable_across_heads = True
+
+        def __init__(self, bias: float = 0.0):
+            self.bias = bias
+            self.table = torch.zeros(3)
+
+        def prepare_request(
+            self, model, input_ids, attention_mask=None, pixel_values=None, *, chunk_size=512
+        ):
+            calls["prepare"] = calls.get("prepare", 0) + 1
+            return {"n": int(input_ids.shape[1])}
+
+        def bind(self, model):
+            calls["bind"] = calls.get("bind", 0) + 1
+
+        def keep_layer_unchanged(self, layer_idx):
+            return layer_idx == 0
+
+        def score(self, ctx):
+            assert ctx.queries is not None and ctx.hidden_states is not None
+            assert ctx.request_state == {"n": ctx.keys.shape[2]}
+            calls["score"] = calls.get("score", 0) + 1
+            return ctx.keys.float().norm(dim=-1) + self.bias
+
+        def extra_hook(self):
+            return "probe"
+
+    try:
+        model, _ = tiny_random_llava
+        for spec in (
+            "pyramidkv:scorer=probe_for_budgets,bias=1.5",
+            "adakv:scorer=probe_for_budgets,bias=1.5",
+        ):
+            calls.clear()
+            cfg = OvalConfig.from_spec(spec, budget=0.25)
+            pol = make_eviction(cfg.method, **cfg.method_options)
+            assert pol.needs_queries and pol.needs_hidden_states and pol.comparable_across_heads
+            assert pol.scorer.bias == 1.5 and pol.extra_hook() == "probe"
+            assert [t.shape for t in pol.state_tensors()] == [torch.Size([3])]
+            counts, _, _ = _run(model, inputs, spec, budget=0.25)
+            assert calls == {"bind": 1, "prepare": 2, "score": 8}  # prefill + generate, 4 layers each
+            n_img = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
+            assert (counts[0, :, :, 0] == n_img).all()  # layer 0 left whole, as the scorer asked
+            assert (counts[1:, :, :, 0] < n_img).all()
+    finally:
+        EVICTION_REGISTRY.pop("probe_for_budgets", None)
