@@ -98,6 +98,48 @@ def pages_of(keys, values, mod, rc, embeds, module):
     return batch, page_start, page_len, kind
 
 
+KVZIP_REPEAT_TOKENS = 14  # "\n\nRepeat the previous context exactly." + " ASSISTANT:" (LLaVA-1.5's tokenizer)
+
+
+def kvzip_jobs(layer, cfg, rope, x, pe, g):
+    """KVzip's pre-pass for one layer, as `mm_oval.policies.kvzip` runs it: the prompt's forward (into a
+    DynamicCache), then the reconstruction forward over [repeat prompt, prompt] on that cache through KVzip's
+    capture attention, which scores the prompt's keys (SDPA for the layer's output). Also the scoring alone.
+    Not counted here: the pre-pass's second run of the vision tower and embeddings (the model's side)."""
+    from transformers import DynamicCache
+
+    from mm_oval.policies.kvzip import _ACTIVE, CAPTURE_ATTN, _Chunk, _register_capture, reconstruction_scores
+
+    _register_capture()
+    s, dev, N = LLAVA7B, x.device, x.shape[1]
+    R = N + KVZIP_REPEAT_TOKENS
+    xr = (torch.randn(1, R, s["hidden"], generator=g) * 0.5).to(device=dev, dtype=x.dtype)
+    per = rope(xr, torch.arange(N, N + R, device=dev)[None])
+    causal = torch.arange(N + R, device=dev).view(1, -1) <= (N + torch.arange(R, device=dev)).view(-1, 1)
+    mask = causal.view(1, 1, R, N + R)
+    every = lambda n: torch.ones(1, n, dtype=torch.bool, device=dev)  # noqa: E731
+    chunk = _Chunk(N, every(N + R), every(R), every(N), 512, [torch.zeros(1, s["kv_heads"], N, device=dev)])
+
+    def prepass():
+        cache = DynamicCache()
+        layer(x, position_embeddings=pe, cache=cache, use_cache=True)
+        old, cfg._attn_implementation = cfg._attn_implementation, CAPTURE_ATTN
+        token = _ACTIVE.set(chunk)
+        try:
+            layer(xr, attention_mask=mask, position_embeddings=per, cache=cache, use_cache=True)
+        finally:
+            _ACTIVE.reset(token)
+            cfg._attn_implementation = old
+
+    q = torch.randn(1, s["heads"], R, s["head_dim"], generator=g).to(device=dev, dtype=x.dtype)
+    k = torch.randn(1, s["kv_heads"], N + R, s["head_dim"], generator=g).to(device=dev, dtype=x.dtype)
+
+    def scoring():
+        reconstruction_scores(q, k, every(N + R), every(R), N, s["head_dim"] ** -0.5, 512)
+
+    return prepass, scoring
+
+
 def timer(device):
     def run(fn, reps: int = 1) -> float:
         if device.type == "cuda":
@@ -213,8 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         for li in range(s["layers"]):
             select("router", li, extra)
 
+    kvzip_prepass, kvzip_scoring = kvzip_jobs(layer, cfg, rope, x, pe, g)
     jobs = {
         "prefill layer": lambda: layer(x, position_embeddings=pe),
+        "kvzip pre-pass": kvzip_prepass,
+        "kvzip scoring": kvzip_scoring,
         **{name: (lambda a=a: a.score_layer(0, kf, vf, pos, mod, rc)) for name, a in agents.items()},
         "decode layer": decode_step,
         **{
@@ -235,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in agents:
         rows.append(("prefill", name, med[name], med["prefill layer"]))
+    for part, key in (
+        ("kvzip pre-pass (prompt + reconstruction, scored)", "kvzip pre-pass"),
+        ("kvzip scoring alone (max attention, 512-row blocks)", "kvzip scoring"),
+    ):
+        rows.append(("prefill", part, med[key], med["prefill layer"]))
     for name in ("quest", "locks", "oval", "oval r=2", "router"):
         key = f"{name} page choice" + (" (per layer)" if name == "router" else "")
         rows.append(("decode", name, med[key], med["decode layer"]))
