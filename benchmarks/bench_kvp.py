@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mm_oval.policies.base import make_eviction
+from mm_oval.policies.base import Rope, make_eviction
 from mm_oval.policies.kvp import KVPAgentConfig, _atomic_write_bytes, bundled_agents_path, load_agents
 from mm_oval.training.kvp import (
     TrainConfig,
@@ -36,7 +36,7 @@ from mm_oval.training.traces import capture_sample, capture_traces, iter_traces,
 
 log = logging.getLogger("bench_kvp")
 BUDGETS = (0.1, 0.25, 0.5)
-BASELINES = ("random", "streamingllm", "knorm", "keydiff", "h2o", "tova", "snapkv")
+BASELINES = ("random", "streamingllm", "knorm", "keydiff", "h2o", "tova", "snapkv", "expected_attention")
 ATTENTION_FREE = {"kvp", "random", "streamingllm", "knorm", "keydiff"}
 
 
@@ -194,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         agent_scorer(loaded.agents), held, cfg.sinks, cfg.recent, shared_normalise=not cfg.joint_heads
     )
     rows = {"kvp": asdict(kvp_cost)}
+    rope = Rope(model.model.language_model.rotary_emb)  # what the cache hands a method besides the traces
     for name in BASELINES:
         pol = make_eviction(name)
         if pol.needs_queries and "queries" not in held[0]:
             log.warning("%s skipped: the traces hold no queries", name)
             continue
-        rows[name] = asdict(heldout_cost(policy_scorer(pol), held, cfg.sinks, cfg.recent))
+        rows[name] = asdict(heldout_cost(policy_scorer(pol, rope), held, cfg.sinks, cfg.recent))
     kvzip = kvzip_scorer(model, processor, held, args.heldout, args.followups)
     if kvzip is not None:
         rows["kvzip"] = asdict(heldout_cost(kvzip, held, cfg.sinks, cfg.recent))

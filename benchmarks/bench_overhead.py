@@ -10,7 +10,8 @@ model's side).
 
 - prefill: the layer's forward over the prompt vs KVP scoring of that layer's 32 KV heads (the committed
   agent shape, proj 64 / hidden 64 with the modality and 2-D features, and the paper's, proj 256 / hidden
-  256 without them);
+  256 without them), and vs Expected Attention's scoring of them (its defaults: covariance, value norms,
+  512 future positions), from the layer's queries, keys and values as the cache hands them over;
 - decode: the layer's forward for one new token over the cached prompt (transformers' DynamicCache) vs each
   retrieval method choosing the pages that layer reads (scoring + top-k at a 25% read budget). The router's
   text state is computed once per step for all layers: it is counted as 1/32 per layer.
@@ -29,7 +30,16 @@ from pathlib import Path
 
 import torch
 
-from mm_oval.policies.base import IMAGE, TEXT, DecodeContext, PageBatch, make_retrieval
+from mm_oval.policies.base import (
+    IMAGE,
+    TEXT,
+    DecodeContext,
+    PageBatch,
+    PrefillContext,
+    Rope,
+    make_eviction,
+    make_retrieval,
+)
 from mm_oval.policies.kvp import KVPAgentConfig, KVPAgents
 from mm_oval.policies.router import HybridRouter, RouterConfig, RouterRetrieval
 
@@ -212,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     agents = {name: a.to(device=device).eval() for name, a in agents.items()}
     kf, vf = k.float(), v.float()
+    expected = make_eviction("expected_attention")
+    expected_ctx = PrefillContext(
+        layer_idx=0, keys=k, values=v, queries=q, positions=pos, modality=mod, image_rc=rc,
+        scaling=attn.scaling, module=attn, rope=Rope(rope),
+    )  # fmt: skip
 
     # decode: the prompt cached, one new token
     cache = DynamicCache()
@@ -268,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "router page choice (a step of 32 layers)": router_step,
     }
+    jobs["expected_attention scoring"] = lambda: expected.score(expected_ctx)
     for fn in jobs.values():  # warm up
         fn()
     times: dict[str, list[float]] = {name: [] for name in jobs}
@@ -280,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in agents:
         rows.append(("prefill", name, med[name], med["prefill layer"]))
+    rows.append(("prefill", "expected_attention", med["expected_attention scoring"], med["prefill layer"]))
     for part, key in (
         ("kvzip pre-pass (prompt + reconstruction, scored)", "kvzip pre-pass"),
         ("kvzip scoring alone (max attention, 512-row blocks)", "kvzip scoring"),

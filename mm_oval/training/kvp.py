@@ -366,11 +366,13 @@ def agent_scorer(agents: KVPAgents) -> Scorer:
     return score
 
 
-def policy_scorer(policy: Any) -> Scorer:
-    """Any EvictionPolicy (e.g. from EVICTION_REGISTRY) as a scorer on traces."""
+def policy_scorer(policy: Any, rope: Any = None) -> Scorer:
+    """Any EvictionPolicy (e.g. from EVICTION_REGISTRY) as a scorer on traces. `rope`: the traced model's
+    `policies.base.Rope`, for methods that need RoPE at other positions (expected_attention)."""
 
     def score(trace: dict, layer: int) -> torch.Tensor:
         ctx = trace_context(trace, layer)
+        ctx.rope = rope
         if getattr(policy, "needs_queries", False) and ctx.queries is None:
             raise DataError(
                 f"{getattr(policy, 'name', policy)} needs queries; capture traces with queries stored"
