@@ -76,6 +76,30 @@ def test_choose_kept_keeps_each_modality_budget_per_sample_and_head(budget):
                 assert kept_s.min() >= drop_s.max()
 
 
+def test_protected_tokens_stay_when_the_method_scores_other_tokens_inf():
+    """SnapKV scores its observation window +inf; at a tight text budget the window must not push the
+    sinks and the recent window out (they rank above every score), and the window fills what is left."""
+    info = _toy_info(sink=2, recent=3)
+    scores = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(0))
+    scores[..., 25:37] = float("inf")  # text tokens just before the recent window (both samples)
+    for head_budget in ("uniform", "shared"):
+        cfg = OvalConfig(
+            method="snapkv",
+            budget=0.5,
+            text_budget=6,
+            sink_tokens=2,
+            recent_tokens=3,
+            head_budget=head_budget,
+        )
+        keep = choose_kept(scores, info, cfg)
+        txt = keep & (info.modality == TEXT).unsqueeze(1)
+        assert (txt.sum((1, 2)) == 3 * 6).all()
+        for b in range(2):
+            assert keep[b][:, info.protected[b]].all()
+            if head_budget == "uniform":  # one more per head: the window's first
+                assert txt[b][:, 25].all() and not txt[b][:, 26:37].any()
+
+
 def test_scope_all_ranks_every_token_together_at_the_same_total_count():
     info = _toy_info(sink=0, recent=0)
     scores = torch.zeros(2, 1, 40)

@@ -1,7 +1,11 @@
 import pytest
+from transformers import LlavaForConditionalGeneration
 
+import mm_oval
 from mm_oval.config import OvalConfig
 from mm_oval.errors import ConfigError
+from mm_oval.policies.base import make_eviction
+from mm_oval.zoo import bundled_model_path
 
 
 def test_a_retrieval_method_alone_reads_its_budget_of_pages_and_evicts_nothing():
@@ -16,3 +20,93 @@ def test_eviction_specs_keep_the_budget_on_the_image_kv_and_combine_with_retriev
     assert OvalConfig.from_spec("snapkv", 1).evicts  # an int budget is a token count: one token
     with pytest.raises(ConfigError, match="read budget"):
         OvalConfig.from_spec("quest", 64)
+
+
+def test_budget_allocators_take_their_own_options_and_hand_the_rest_to_their_scorer():
+    cfg = OvalConfig.from_spec("pyramidkv:scorer=keydiff,beta=20", 0.25)
+    assert (cfg.method, cfg.method_options) == ("pyramidkv", {"scorer": "keydiff", "beta": 20})
+    pol = make_eviction(cfg.method, **cfg.method_options)
+    assert (pol.scorer.name, pol.beta, pol.allocation.pyramid_beta, pol.allocation.share_heads) == (
+        "keydiff",
+        20,
+        20.0,
+        False,
+    )
+    cfg = OvalConfig.from_spec("adakv:scorer=snapkv,alpha_safeguard=0.3,window=16,text_budget=0.5", 0.25)
+    assert cfg.text_budget == 0.5 and cfg.method_options == {
+        "scorer": "snapkv",
+        "alpha_safeguard": 0.3,
+        "window": 16,
+    }
+    pol = make_eviction(cfg.method, **cfg.method_options)
+    assert pol.scorer.window == 16 and pol.allocation.alpha_safeguard == 0.3 and pol.needs_queries
+    assert (
+        make_eviction("adakv").scorer.name == "snapkv" and make_eviction("pyramidkv").scorer.name == "snapkv"
+    )
+    both = make_eviction("adakv", scorer="pyramidkv", beta=4, kernel=3)  # nested: each takes its own options
+    assert (both.scorer.beta, both.scorer.scorer.kernel) == (4, 3)
+    assert (both.allocation.pyramid_beta, both.allocation.share_heads) == (4.0, True)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("adakv:scorer=knorm", r"adakv ranks the KV heads.*'knorm' are not comparable across heads"),
+        ("knorm:head_budget=shared", r"head_budget=shared ranks.*'knorm' are not comparable"),
+        ("pyramidkv:scorer=knorm,head_budget=shared", r"'knorm' are not comparable"),
+        ("pyramidkv:scorer=adakv,alpha_safeguard=0.1,head_budget=shared", "adakv already shares"),
+        ("adakv:head_budget=shared", "adakv already shares"),
+    ],
+)
+def test_a_budget_shared_by_the_heads_is_refused_for_scores_not_comparable_across_heads(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        OvalConfig.from_spec(spec, 0.25)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"scorer": "nope"}, r"adakv: scorer 'nope': unknown eviction method"),
+        ({"scorer": "snapkv", "windw": 3}, r"adakv: scorer 'snapkv': bad options \{'windw': 3\}"),
+        ({"scorer": "full"}, "scorer must be a registered eviction method other than 'full'"),
+        ({"scorer": "adakv"}, "other than 'full' and 'adakv'"),
+        ({"alpha_safeguard": 1.5}, r"alpha_safeguard must be in \[0, 1\]"),
+        ({"alpha_safeguard": "high"}, r"alpha_safeguard must be in \[0, 1\]"),
+    ],
+)
+def test_adakv_options_are_checked_with_a_message(options, match):
+    with pytest.raises(ConfigError, match=match):
+        make_eviction("adakv", **options)
+
+
+def test_pyramidkv_options_are_checked_with_a_message():
+    for beta in (0.5, "steep", True, float("inf")):
+        with pytest.raises(ConfigError, match="beta must be a number >= 1"):
+            make_eviction("pyramidkv", beta=beta)
+    with pytest.raises(ConfigError, match="other than 'full' and 'pyramidkv'"):
+        make_eviction("pyramidkv", scorer="pyramidkv")
+    with pytest.raises(ConfigError, match="already a pyramidkv"):
+        make_eviction("pyramidkv", scorer=make_eviction("adakv", scorer="pyramidkv"))
+    with pytest.raises(ConfigError, match="go to a scorer named by string"):
+        make_eviction("pyramidkv", scorer=make_eviction("snapkv"), window=8)
+
+
+def test_kvp_agents_are_comparable_across_heads_only_when_trained_on_joint_heads():
+    """What KVP's scores allow depends on its agents, known once they are loaded: the per-head agents are
+    refused by adakv and by head_budget=shared when built (wrap), the joint-heads agents accepted."""
+
+    assert not make_eviction("kvp").comparable_across_heads
+    assert make_eviction("kvp", agents="bundled-joint").comparable_across_heads
+    with pytest.raises(
+        ConfigError, match=r"'kvp' are not comparable across heads \(KVP: agents trained with joint"
+    ):
+        make_eviction("adakv", scorer="kvp")
+    assert make_eviction("adakv", scorer="kvp", agents="bundled-joint").comparable_across_heads
+    model = LlavaForConditionalGeneration.from_pretrained(bundled_model_path()).eval()
+    cfg = OvalConfig.from_spec("kvp:head_budget=shared", 0.25)  # the spec alone cannot tell
+    with pytest.raises(ConfigError, match="head_budget=shared ranks the KV heads"):
+        mm_oval.wrap(model, cfg)
+    assert not hasattr(model, "_mm_oval")
+    mm_oval.unwrap(
+        mm_oval.wrap(model, OvalConfig.from_spec("kvp:head_budget=shared,agents=bundled-joint", 0.25))
+    )
