@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -22,11 +23,13 @@ from pathlib import Path
 
 import torch
 
-from mm_oval.policies.base import Rope, make_eviction
+from mm_oval.policies.base import Rope, make_eviction, topk_mask
+from mm_oval.policies.budgets import pyramid_counts, shared_head_keep
 from mm_oval.policies.kvp import KVPAgentConfig, _atomic_write_bytes, bundled_agents_path, load_agents
 from mm_oval.training.kvp import (
     TrainConfig,
     agent_scorer,
+    eligible_mask,
     heldout_cost,
     oracle_scorer,
     policy_scorer,
@@ -38,6 +41,7 @@ log = logging.getLogger("bench_kvp")
 BUDGETS = (0.1, 0.25, 0.5)
 BASELINES = ("random", "streamingllm", "knorm", "keydiff", "h2o", "tova", "snapkv", "expected_attention")
 ATTENTION_FREE = {"kvp", "random", "streamingllm", "knorm", "keydiff"}
+ALLOCATORS = ("pyramidkv", "adakv")  # budgets over layers / heads, SnapKV's scores underneath by default
 
 
 def table(rows: dict[str, dict], title: str, shared: bool = False) -> str:
@@ -51,6 +55,40 @@ def table(rows: dict[str, dict], title: str, shared: bool = False) -> str:
         line += "".join(f"{r['evicted_image'][b]:>8.2f}" for b in BUDGETS)
         out.append(line)
     return "\n".join(out)
+
+
+def allocated_cost(policy, scorer, traces: list[dict], sinks: int, recent: int) -> dict:
+    """PyramidKV / AdaKV on traces: the per-head ranking is the scorer's (so are `cost` and `cost_image`); the
+    share of future attention evicted at each budget follows the policy's allocation (the cache's own
+    definitions, `mm_oval.policies.budgets`): per layer the PyramidKV count of ceil(b * decidable tokens),
+    the heads' total shared by score with AdaKV's safeguard."""
+    row = asdict(heldout_cost(scorer, traces, sinks, recent, BUDGETS))
+    alloc = policy.allocation
+    acc = {"evicted": {b: [0.0, 0.0] for b in BUDGETS}, "evicted_image": {b: [0.0, 0.0] for b in BUDGETS}}
+    for t in traces:
+        L, H, n = t["utility"].shape
+        elig = eligible_mask(torch.tensor([n]), n, sinks, recent)[0]
+        masks = {"evicted": elig, "evicted_image": elig & (t["modality"].long() == 1)}
+        for layer in range(L):
+            s, u = scorer(t, layer).float(), t["utility"][layer].float()
+            for key, mask in masks.items():
+                m = int(mask.sum())
+                if m == 0:
+                    continue
+                e = mask[None].expand(H, n)
+                for b in BUDGETS:
+                    k = torch.tensor([math.ceil(b * m)])
+                    if alloc.pyramid_beta is not None:
+                        k = pyramid_counts(k, torch.tensor([m]), L, alloc.pyramid_beta)[:, layer]
+                    if alloc.share_heads:
+                        keep = shared_head_keep(s[None], e[None], k, alloc.alpha_safeguard)[0]
+                    else:
+                        keep = topk_mask(s, e, k.expand(H))
+                    acc[key][b][0] += float((u * (e & ~keep)).sum())
+                    acc[key][b][1] += float((u * e).sum())
+    for key, d in acc.items():
+        row[key] = {b: 100.0 * ev / max(tot, 1e-12) for b, (ev, tot) in d.items()}
+    return row
 
 
 def kvzip_scorer(model, processor, held: list[dict], heldout: str, followups: int):
@@ -204,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     kvzip = kvzip_scorer(model, processor, held, args.heldout, args.followups)
     if kvzip is not None:
         rows["kvzip"] = asdict(heldout_cost(kvzip, held, cfg.sinks, cfg.recent))
+    for name in ALLOCATORS:
+        pol = make_eviction(name)
+        if pol.needs_queries and "queries" not in held[0]:
+            log.warning("%s skipped: the traces hold no queries", name)
+            continue
+        rows[name] = allocated_cost(pol, policy_scorer(pol, rope), held, cfg.sinks, cfg.recent)
     rows["optimal"] = asdict(heldout_cost(oracle_scorer, held, cfg.sinks, cfg.recent, shared_normalise=False))
     results["methods"] = rows
     print(

@@ -11,7 +11,9 @@ model's side).
 - prefill: the layer's forward over the prompt vs KVP scoring of that layer's 32 KV heads (the committed
   agent shape, proj 64 / hidden 64 with the modality and 2-D features, and the paper's, proj 256 / hidden
   256 without them), and vs Expected Attention's scoring of them (its defaults: covariance, value norms,
-  512 future positions), from the layer's queries, keys and values as the cache hands them over;
+  512 future positions), from the layer's queries, keys and values as the cache hands them over; and vs
+  SnapKV's scoring plus the cache's choice of the kept tokens at a 25% image budget, uniform and with
+  PyramidKV's layer schedule or AdaKV's shared head budget (`choose_kept`, the layer taken as the first of 32);
 - decode: the layer's forward for one new token over the cached prompt (transformers' DynamicCache) vs each
   retrieval method choosing the pages that layer reads (scoring + top-k at a 25% read budget). The router's
   text state is computed once per step for all layers: it is counted as 1/32 per layer.
@@ -150,6 +152,33 @@ def kvzip_jobs(layer, cfg, rope, x, pe, g):
     return prepass, scoring
 
 
+def allocation_jobs(q, k, v, pos, mod, rc, scaling):
+    """SnapKV's scoring of one layer and the cache's choice of the kept tokens (25% of the image tokens,
+    sinks 4, recent 16), for the uniform budget and for PyramidKV / AdaKV over SnapKV."""
+    from mm_oval.cache import choose_kept, request_info
+    from mm_oval.config import OvalConfig
+    from mm_oval.policies.budgets import Allocation
+
+    ids = torch.where(mod == IMAGE, 99, 7)
+    info = request_info(ids, None, 99, LLAVA7B["grid"] ** 2, 4, 16)
+    ctx = PrefillContext(
+        layer_idx=0, keys=k, values=v, queries=q, positions=pos, modality=info.modality, image_rc=rc,
+        scaling=scaling,
+    )  # fmt: skip
+    jobs = {}
+    for label, name in (
+        ("snapkv", "snapkv"),
+        ("pyramidkv (snapkv)", "pyramidkv"),
+        ("adakv (snapkv)", "adakv"),
+    ):
+        pol, cfg = make_eviction(name), OvalConfig(method=name, budget=0.25)
+        alloc = Allocation.of(pol)
+        jobs[f"{label} scoring + choice"] = lambda p=pol, c=cfg, a=alloc: choose_kept(
+            p.score(ctx), info, c, a, 0, LLAVA7B["layers"]
+        )
+    return jobs
+
+
 def timer(device):
     def run(fn, reps: int = 1) -> float:
         if device.type == "cuda":
@@ -284,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "router page choice (a step of 32 layers)": router_step,
     }
     jobs["expected_attention scoring"] = lambda: expected.score(expected_ctx)
+    jobs.update(allocation_jobs(q, k, v, pos, mod, rc, attn.scaling))
     for fn in jobs.values():  # warm up
         fn()
     times: dict[str, list[float]] = {name: [] for name in jobs}
@@ -302,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         ("kvzip scoring alone (max attention, 512-row blocks)", "kvzip scoring"),
     ):
         rows.append(("prefill", part, med[key], med["prefill layer"]))
+    for label in ("snapkv", "pyramidkv (snapkv)", "adakv (snapkv)"):
+        rows.append(("prefill", f"{label} scoring + kept-token choice", med[f"{label} scoring + choice"],
+                     med["prefill layer"]))  # fmt: skip
     for name in ("quest", "locks", "oval", "oval r=2", "router"):
         key = f"{name} page choice" + (" (per layer)" if name == "router" else "")
         rows.append(("decode", name, med[key], med["decode layer"]))
