@@ -118,6 +118,8 @@ class OvalConfig:
             if not eq or not key.strip():
                 raise ConfigError(f"bad item {item!r} in method spec {spec!r}; write key=value")
             key = key.strip()
+            if key in fields or key in options:
+                raise ConfigError(f"{key!r} is given twice in method spec {spec!r}; give each key once")
             (fields if key in names else options)[key] = _parse_value(raw.strip())
         name = name.strip()
         if _is_retrieval_only(name):

@@ -371,3 +371,49 @@ def test_the_wrappers_hand_the_cache_everything_their_scorer_asks_for(tiny_rando
             assert (counts[1:, :, :, 0] < n_img).all()
     finally:
         EVICTION_REGISTRY.pop("probe_for_budgets", None)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "adakv:scorer=expected_attention",
+        "pyramidkv:scorer=kvzip",
+        "pyramidkv:scorer=kvzip,head_budget=shared",
+    ],
+)
+def test_the_question_agnostic_scorers_work_underneath_with_the_image_compressed_first(
+    tiny_random_llava, tiny_random_llava_dir, spec
+):
+    """compress=image: the template head and the image are prefilled (and compressed) alone, then each
+    question is generated on a copy of that cache; at batch 2 the totals are the uniform budget's."""
+    model, processor = tiny_random_llava
+    g = torch.Generator().manual_seed(9)
+    imgs = [
+        Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
+        for _ in range(2)
+    ]
+    head = processor(images=imgs, text=["USER: <image>\n"] * 2, return_tensors="pt")
+    cfg = OvalConfig.from_spec(spec, budget=0.25)
+    if "kvzip" in spec:
+        cfg.method_options["tokenizer"] = str(tiny_random_llava_dir)
+    mm_oval.wrap(model, cfg)
+    try:
+        cache = prefill(model, **head)
+        counts = _per_layer_counts(cache)[..., 0]  # (L, B, H) image tokens kept
+        L, B, H = counts.shape
+        k = max(math.ceil(0.25 * 64), int((cache.info.protected & (cache.info.modality == IMAGE)).sum(-1)[0]))
+        if "pyramidkv" in spec:  # over the layers; per head unless the heads share
+            total, want = (counts.sum((0, 2)), L * H * k) if "shared" in spec else (counts.sum(0), L * k)
+        else:
+            total, want = counts.sum(-1), H * k
+        assert (total == want).all()
+        q = processor.tokenizer(
+            ["what color is it ? ASSISTANT:"] * 2, add_special_tokens=False, return_tensors="pt"
+        )
+        ids = torch.cat([head["input_ids"], q.input_ids], 1)
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache.copy(), max_new_tokens=3
+        )
+        assert out.shape == (2, ids.shape[1] + 3)
+    finally:
+        mm_oval.unwrap(model)

@@ -110,3 +110,10 @@ def test_kvp_agents_are_comparable_across_heads_only_when_trained_on_joint_heads
     mm_oval.unwrap(
         mm_oval.wrap(model, OvalConfig.from_spec("kvp:head_budget=shared,agents=bundled-joint", 0.25))
     )
+
+
+def test_a_key_given_twice_in_a_spec_is_refused_rather_than_one_silently_winning():
+    with pytest.raises(ConfigError, match="'scorer' is given twice"):
+        OvalConfig.from_spec("adakv:scorer=pyramidkv,scorer=kvzip", 0.25)
+    with pytest.raises(ConfigError, match="'scope' is given twice"):
+        OvalConfig.from_spec("snapkv:scope=all,scope=image", 0.25)
