@@ -123,8 +123,10 @@ def choose_kept(
     alloc = (allocation or Allocation()).with_head_budget(config.head_budget)
     mod = info.modality.unsqueeze(1).expand(B, H, N)
     prot = info.protected.unsqueeze(1).expand(B, H, N)
-    # protected tokens above every score, also a method's own +inf (SnapKV's observation window)
-    s = scores.float().clamp(max=torch.finfo(torch.float32).max).masked_fill(prot, float("inf"))
+    # protected tokens above every score, also a method's own +inf (SnapKV's observation window); a token's
+    # -inf or NaN ranks it last among its modality's, never behind a token of another group (exact counts)
+    big = torch.finfo(torch.float32).max
+    s = torch.nan_to_num(scores.float(), nan=-big, posinf=big, neginf=-big).masked_fill(prot, float("inf"))
     counts = {}
     for m, budget in ((IMAGE, config.budget), (TEXT, config.text_budget)):
         n = (info.modality == m).sum(-1)  # (B,)

@@ -100,6 +100,24 @@ def test_protected_tokens_stay_when_the_method_scores_other_tokens_inf():
                 assert txt[b][:, 25].all() and not txt[b][:, 26:37].any()
 
 
+@pytest.mark.parametrize("head_budget", ["uniform", "shared"])
+def test_scores_of_minus_inf_or_nan_still_keep_the_exact_budget(head_budget):
+    """A method may score tokens -inf (or NaN by mistake): they rank last, and the budget still counts
+    exactly (text tokens before the image, also -inf once out of the image group, must not take its places)."""
+    info = _toy_info(sink=2, recent=3)
+    scores = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(1))
+    img = (info.modality == IMAGE).unsqueeze(1).expand(2, 3, 40)
+    scores[img] = float("-inf")
+    scores[:, :, 12] = float("nan")  # an image token of both samples
+    scores[:, :, 10] = 1.0  # the one image token with a real score
+    cfg = OvalConfig(
+        method="snapkv", budget=8, text_budget=0.5, sink_tokens=2, recent_tokens=3, head_budget=head_budget
+    )
+    keep = choose_kept(scores, info, cfg)
+    assert ((keep & img).sum((1, 2)) == 3 * 8).all()
+    assert keep[:, :, 10].all()  # the scored token first (after the protected ones)
+
+
 def test_scope_all_ranks_every_token_together_at_the_same_total_count():
     info = _toy_info(sink=0, recent=0)
     scores = torch.zeros(2, 1, 40)

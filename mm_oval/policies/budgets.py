@@ -285,7 +285,7 @@ def check_comparable(policy: EvictionPolicy, what: str) -> None:
 
 def _not_comparable(name: str, what: str) -> str:
     hint = " (KVP: agents trained with joint heads are, e.g. agents=bundled-joint)" if name == "kvp" else ""
-    undo = "drop head_budget=shared" if what.startswith("head_budget") else "use it without adakv"
+    undo = "drop head_budget=shared" if what.startswith("head_budget") else f"{name!r} alone"
     return (
         f"{what} ranks the KV heads of a layer jointly, but the scores of eviction method {name!r} are not "
         f"comparable across heads{hint}: use a scorer whose scores are (snapkv, h2o, tova, keydiff, ...), "
