@@ -4,7 +4,9 @@ Both methods keep the scorer's ranking and change only how many tokens each laye
 total of the uniform budget. Each is a policy that delegates scoring to a registered method (`scorer`,
 SnapKV by default); options the wrapper does not know go to the scorer, so a method spec reads
 `pyramidkv:scorer=keydiff,beta=20` or `adakv:scorer=snapkv,window=16,alpha_safeguard=0.2`, and the two
-compose (`adakv:scorer=pyramidkv`, or `pyramidkv` with `head_budget=shared`). The cache applies the
+compose (`adakv:scorer=pyramidkv`, or `pyramidkv:scorer=kvzip,head_budget=shared`: a spec names one
+scorer; deeper nesting takes built policies, `make_eviction("adakv", scorer=make_eviction("pyramidkv",
+scorer="keydiff"))`). The cache applies the
 allocation (`mm_oval.cache.choose_kept`), per sample and modality, with sinks and the recent window kept
 first as for every method; the functions below are the definitions it and the benchmarks use.
 
