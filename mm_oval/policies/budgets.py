@@ -95,16 +95,17 @@ def pyramid_counts(free: torch.Tensor, decidable: torch.Tensor, num_layers: int,
     li = torch.arange(num_layers, dtype=torch.float64, device=free.device)
     v = hi.unsqueeze(-1) - li * step.unsqueeze(-1)  # (..., L), real counts summing to L * c
     counts = torch.round(v).minimum(d.unsqueeze(-1)).clamp(min=0)
-    # exact total: move single tokens where rounding strayed (only float error makes this non-zero)
-    diff = (num_layers * free.long() - counts.long().sum(-1)).view(-1)
-    if bool((diff != 0).any()):
-        flat_c, flat_v, flat_d = counts.view(-1, num_layers), v.view(-1, num_layers), d.view(-1, 1)
-        for i in diff.nonzero().flatten().tolist():
-            n = int(diff[i])
-            room = (flat_c[i] < flat_d[i]) if n > 0 else (flat_c[i] > 0)
-            gap = (flat_v[i] - flat_c[i]) * (1 if n > 0 else -1)
-            order = gap.masked_fill(~room, float("-inf")).argsort(descending=True, stable=True)
-            flat_c[i, order[: abs(n)]] += 1 if n > 0 else -1
+    # exact total: move single tokens where rounding strayed (only float error makes this non-zero), on the
+    # layers nearest a half that have room; vectorised, no device sync
+    diff = num_layers * free.long() - counts.long().sum(-1)  # (...,)
+    sign = diff.sign().unsqueeze(-1).double()
+    room = torch.where(sign > 0, counts < d.unsqueeze(-1), counts > 0)
+    gap = ((v - counts) * sign).masked_fill(~room, float("-inf"))
+    order = gap.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(num_layers, device=v.device).expand_as(order)
+    )
+    counts = counts + sign * (rank < diff.abs().unsqueeze(-1)).double()
     return counts.long()
 
 
