@@ -34,7 +34,8 @@ _SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torc
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor reachable from `obj` through dicts (values), lists, tuples, sets, dataclass instances
     and `nn.Module`s (their parameters, buffers and tensor attributes). Other objects, and a Hugging Face
-    model (the served model's weights), are not entered."""
+    model (the served model's weights) or an object marking itself `part_of_served_model` (e.g. the RoPE
+    module the policies share with the model), are not entered."""
     seen: set[int] = set()
     stack = [obj]
     while stack:
@@ -42,8 +43,13 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
         if isinstance(o, torch.Tensor):
             yield o
             continue
-        if isinstance(o, _SCALARS) or isinstance(o, PreTrainedModel) or id(o) in seen:
-            continue  # a policy may refer to the model it serves: its weights are not the method's
+        if (
+            isinstance(o, _SCALARS)
+            or isinstance(o, PreTrainedModel)
+            or getattr(type(o), "part_of_served_model", False)
+            or id(o) in seen
+        ):
+            continue  # a policy may refer to the model it serves (or a module of it): its weights are not the method's
         seen.add(id(o))
         if isinstance(o, dict):
             stack.extend(o.values())

@@ -34,6 +34,8 @@ class Rope:
     copied (a `cache.copy()` keeps pointing at the model's module)."""
 
     rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    # the module is the served model's: the stats' allocated bytes do not count its buffers as the method's
+    part_of_served_model: ClassVar[bool] = True
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, M) long positions (padding's -1 read as 0) -> cos, sin, each (B, M, D) fp32."""
