@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mm_oval.errors import DataError, ModelError, ResultsError
+from mm_oval.errors import ConfigError, DataError, ModelError, ResultsError
 from mm_oval.policies.base import EVICTION_REGISTRY, IMAGE, PAD, TEXT, PrefillContext
 from mm_oval.policies.kvp import (
     KVPAgentConfig,
@@ -226,6 +226,26 @@ def test_capture_records_the_cached_keys_and_the_answer_attention(tiny_random_ll
         a = att[layer][0, :, n:, :n].sum(1)  # (Hq, n)
         expect = a.view(Hkv, 2, n).amax(1)
         assert torch.allclose(tr["utility"][layer], expect, atol=1e-4)
+
+
+def test_question_agnostic_capture_ends_the_prompt_at_the_image(tiny_random_llava):
+    """compress='image': the trace's prompt is the template head and the image, as `eval --compress image`
+    compresses it; the question's tokens are future queries, so their attention is part of the utility."""
+    model, processor = tiny_random_llava
+    sample = toy_samples(1, seed=5)[0]
+    whole = capture_sample(model, processor, sample)
+    qa = capture_sample(model, processor, sample, compress="image")
+    img = (whole["modality"] == IMAGE).nonzero()
+    n = int(img[-1]) + 1
+    assert n < whole["keys"].shape[2] and qa["keys"].shape[2] == n and qa["utility"].shape[-1] == n
+    assert qa["modality"][-1] == IMAGE and int((qa["modality"] == IMAGE).sum()) == 64
+    assert torch.equal(qa["keys"], whole["keys"][:, :, :n])  # the same forward, cut at the image
+    assert int(qa["future_len"]) == int(whole["future_len"]) + whole["keys"].shape[2] - n
+    # more future queries, each attention non-negative: the utility grows, strictly for some token
+    diff = qa["utility"] - whole["utility"][..., :n]
+    assert bool((diff > -1e-5).all()) and float(diff.max()) > 1e-3
+    with pytest.raises(ConfigError, match="compress must be one of"):
+        capture_sample(model, processor, sample, compress="question")
 
 
 def test_capture_resumes_after_an_interruption(tiny_random_llava, tmp_path):

@@ -76,6 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="rank the tokens of all KV heads of a layer together in training (scores comparable across heads)",
     )
+    p.add_argument(
+        "--compress",
+        choices=("prompt", "image"),
+        default="prompt",
+        help="where the traces' prompt ends: after the question (prompt) or right after the image (image: "
+        "the question-agnostic setting of `eval --compress image`, the question counts as future)",
+    )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
     p.add_argument("--device", default=None, help="device for capture (default: cuda if available)")
@@ -162,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             shard_size=args.shard_size,
             store_queries=not args.no_queries,
             progress=lambda i, n, b=bar: b.update(i - b.n),
+            compress=args.compress,
         )
         bar.close()
         dirs[name] = d
@@ -228,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         "heldout_samples": len(held),
         "followups": fu,
         "answer": args.answer,
+        "compress": args.compress,
         "heldout_cost": {k: v["cost"] for k, v in table.items()},
     }
     save_agents(res.agents, out, model_signature_cfg, training)

@@ -32,11 +32,14 @@ from typing import Any
 
 import torch
 
-from ..errors import DataError, ModelError, ResultsError
+from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..policies.base import IMAGE, TEXT
 from ..policies.kvp import _atomic_write_bytes, model_signature
 
 logger = logging.getLogger(__name__)
+# where the cache is compressed, as the evaluation's --compress: after the whole prompt, or right after the
+# image (the question not yet read)
+COMPRESS_AT = ("prompt", "image")
 
 MANIFEST = "manifest.json"
 CAPTURE_ATTN = "mm_oval_kvp_capture"
@@ -311,10 +314,15 @@ def capture_sample(
     answer: str = "reference",
     max_new_tokens: int = 32,
     store_queries: bool = True,
+    compress: str = "prompt",
 ) -> dict[str, torch.Tensor]:
     """Run one sample and return its trace tensors (see the module docstring). The future queries are every
     token after the prompt that is fed back to the model: the answer, then the follow-up turns (the final
-    end-of-sequence token is never fed, so it is not a query)."""
+    end-of-sequence token is never fed, so it is not a query). With `compress="image"` the trace's prompt
+    ends at the last image token, as the cache is compressed with `--compress image` (question-agnostic):
+    the question then belongs to the future, whose attention is the utility."""
+    if compress not in COMPRESS_AT:
+        raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {compress!r}")
     global _ACTIVE
     _register_capture_attention()
     device = next(model.parameters()).device
@@ -337,6 +345,13 @@ def capture_sample(
             f"sample {sample.sample_id}: the prompt's tokens are not a prefix of the conversation's; "
             "the processor's chat template must render the user turn the same way with and without the answer"
         )
+    if compress == "image":
+        image_token_id = getattr(model.config, "image_token_id", None)
+        where = (ids[0] == image_token_id).nonzero()
+        if image_token_id is None or where.numel() == 0:
+            raise DataError(f"sample {sample.sample_id}: compress='image' needs an image in the prompt")
+        n = int(where[-1]) + 1
+        ids = ids[:, :n]
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     if int(full_ids[0, -1]) in eos_ids:
@@ -398,6 +413,7 @@ def capture_traces(
     store_queries: bool = True,
     max_new_tokens: int = 32,
     progress: Callable[[int, int], None] | None = None,
+    compress: str = "prompt",
 ) -> Path:
     """Capture traces for `samples` into `out_dir` (shard_XXXXX.safetensors + manifest.json). Resumes a
     previous capture of the same model, data and settings after its last complete shard."""
@@ -413,6 +429,8 @@ def capture_traces(
         "store_queries": store_queries,
         "num_samples": len(samples),
     }
+    if compress != "prompt":  # recorded only when set, so captures made before the option still resume
+        settings["compress"] = compress
     manifest = _read_manifest(out_dir)
     if manifest is None:
         manifest = {"model": sig, "settings": settings, "shards": []}
@@ -432,7 +450,13 @@ def capture_traces(
         ids = []
         for k, s in enumerate(chunk):
             tr = capture_sample(
-                model, processor, s, answer=answer, max_new_tokens=max_new_tokens, store_queries=store_queries
+                model,
+                processor,
+                s,
+                answer=answer,
+                max_new_tokens=max_new_tokens,
+                store_queries=store_queries,
+                compress=compress,
             )
             for name, t in tr.items():
                 tensors[f"{k}.{name}"] = t.contiguous()
