@@ -39,6 +39,37 @@ def test_bundled_agents_load_for_the_bundled_model(bundled):
     # the joint-heads agents (for the shared head budget) by name, for the same weights
     joint = KVPPolicy(agents="bundled-joint", model=model)
     assert joint.agents.config.joint_heads and not KVPPolicy().agents.config.joint_heads
+    # the agents trained for the image compressed before the question is read, per head and joint
+    for name, jointly in (("bundled-image", False), ("bundled-image-joint", True)):
+        pol = KVPPolicy(agents=name, model=model)
+        assert pol.agents.config.joint_heads == jointly == pol.comparable_across_heads
+        assert pol.loaded.training["compress"] == "image"
+        assert (pol.agents.config.sinks, pol.agents.config.recent) == (3, 0)
+
+
+@pytest.mark.parametrize("name", ["bundled-image", "bundled-image-joint"])
+def test_question_agnostic_agents_beat_every_scorer_on_question_agnostic_traces(bundled, tmp_path, name):
+    """Held-out traces cut after the image (the question is future): the agents trained for that setting
+    rank the image tokens better than every baseline the traces can score, and better than the agents
+    trained on whole prompts."""
+    model, processor = bundled
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples = load_samples("zoo:heldout:24", seed=123, followups=1)
+        capture_traces(model, processor, samples, tmp_path, store_queries=False, compress="image")
+    finally:
+        torch.set_num_threads(n)
+    held = list(iter_traces(tmp_path))
+    agents = load_agents(bundled_agents_path(name=name)).agents
+    c = agents.config
+    kvp = heldout_cost(agent_scorer(agents), held, c.sinks, c.recent)
+    whole = load_agents(bundled_agents_path(joint_heads=c.joint_heads)).agents
+    others = [random_scorer(0), recency_scorer, knorm_scorer, keydiff_scorer, agent_scorer(whole)]
+    for scorer in others:
+        base = heldout_cost(scorer, held, c.sinks, c.recent)
+        assert kvp.cost < base.cost
+        assert kvp.evicted_image[0.1] < base.evicted_image[0.1]
 
 
 def test_bundled_agents_beat_attention_free_baselines_on_heldout_traces(bundled, tmp_path):

@@ -490,15 +490,23 @@ def check_signature(
         )
 
 
-def bundled_agents_path(joint_heads: bool = False) -> Path:
-    """The agents trained for the bundled tiny LLaVA (package data): per-head rankings (the default), or
-    with `joint_heads` one ranking over each layer's heads, for `head_budget="shared"`."""
-    name = "tiny_llava_kvp_joint" if joint_heads else "tiny_llava_kvp"
-    return Path(str(resources.files("mm_oval.zoo").joinpath(name)))
+# names `agents` may take instead of a directory -> the package-data folder of the bundled tiny LLaVA's agents:
+# traces of whole prompts (compressed after the question, `--compress prompt`) or of prompts cut after the
+# image (`--compress image`, the question-agnostic setting; trained with 3 sinks and no recent window, as
+# the sweeps run it); per-head rankings, or one ranking over each layer's heads for `head_budget="shared"`
+BUNDLED_AGENTS = {
+    "bundled": "tiny_llava_kvp",
+    "bundled-joint": "tiny_llava_kvp_joint",
+    "bundled-image": "tiny_llava_kvp_image",
+    "bundled-image-joint": "tiny_llava_kvp_image_joint",
+}
 
 
-# names `agents` may take instead of a directory
-BUNDLED_AGENTS = {"bundled": False, "bundled-joint": True}
+def bundled_agents_path(joint_heads: bool = False, name: str | None = None) -> Path:
+    """The agents trained for the bundled tiny LLaVA (package data): `name` one of BUNDLED_AGENTS, or by
+    default the per-head agents of whole prompts (`joint_heads`: their joint-heads twin)."""
+    name = name or ("bundled-joint" if joint_heads else "bundled")
+    return Path(str(resources.files("mm_oval.zoo").joinpath(BUNDLED_AGENTS[name])))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -510,7 +518,8 @@ BUNDLED_AGENTS = {"bundled": False, "bundled-joint": True}
 class KVPPolicy(EvictionPolicy):
     """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`), or
     "bundled" (the default: the agents trained for the bundled tiny LLaVA) or "bundled-joint" (its
-    joint-heads agents, for `head_budget="shared"`). `model`, when given, is checked against
+    joint-heads agents, for `head_budget="shared"`), "bundled-image" / "bundled-image-joint" (the same
+    trained for `compress="image"`, the image compressed before the question is read). `model`, when given, is checked against
     the agents' recorded shape and fingerprint at once; otherwise each layer is checked on first use
     (shape from the keys, fingerprint from the layer's k_proj / v_proj).
 
@@ -541,7 +550,7 @@ class KVPPolicy(EvictionPolicy):
             loaded = agents
         else:
             if agents is None or agents in BUNDLED_AGENTS:
-                path = bundled_agents_path(BUNDLED_AGENTS.get(agents or "bundled", False))
+                path = bundled_agents_path(name=agents or "bundled")
             else:
                 path = Path(agents)
             loaded = load_agents(path)
