@@ -40,21 +40,8 @@ for task in vqav2 mmbench pope; do
 done
 "$BIN/mm-oval" zoo check --json "$OUT/grounding.json" > /dev/null
 
-# 4. every method against the image-KV budget, question-agnostic setting (image compressed before the
-#    question is read; 3 sinks and no recent window, so all 64 image tokens are a real choice)
-O=sink_tokens=3,recent_tokens=0
-METHODS=(kvp:$O kvp:$O,head_budget=shared,agents=bundled-joint oval:$O quest:$O router:$O keydiff:$O fastv:$O h2o:$O tova:$O
-         snapkv:$O streamingllm:$O random:$O knorm:$O)
-for task in vqav2 mmbench; do
-    OMP_NUM_THREADS=1 "$BIN/mm-oval" sweep --model bundled --task "$task" --data bundled --compress image \
-        --budgets 0.1,0.25,0.5 --batch-size 25 --no-progress --out "$OUT/sweep-$task" --methods "${METHODS[@]}" \
-        > "$OUT/sweep-$task.log" 2>&1 &
-done
-wait
-for task in vqav2 mmbench; do
-    cp "$OUT/sweep-$task/sweep.md" "docs/results/${task}_compress_image.md"
-    cp "$OUT/sweep-$task/sweep.png" "docs/results/${task}_compress_image.png"
-done
+# 4. every method against the image-KV budget, question-agnostic settings (scripts/sweep_bundled.sh)
+BIN="$BIN" OUT="$OUT" scripts/sweep_bundled.sh
 
 # 5. KVP tables: held-out cost of every method, ablations, head budgets, scoring cost
 "$BIN/python" benchmarks/bench_kvp.py --model bundled --agents "$OUT/kvp" --heldout-traces "$OUT/kvp/traces/heldout" \
