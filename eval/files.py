@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and `os.replace`, so a
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder and `os.replace`, so a
     reader never sees a half-written file and a crash leaves the previous version intact. The file gets
     the user's usual permissions (0666 less the umask), like any file the user creates; a temporary file
     left behind by a killed writer is removed by `remove_stale_tmp`."""
@@ -43,8 +43,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         except FileExistsError:
             continue
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -52,6 +52,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """`atomic_write_bytes` of `text` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 TMP_SUFFIX = ".tmp"

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 from pathlib import Path
 from typing import Any
+
+from .files import atomic_write_bytes
+
+
+def _common_options(names: list[str]) -> list[str]:
+    """The `key=value` options every method spec shares (e.g. the sinks of a sweep), in first-seen order."""
+    opts = [n.split(":", 1)[1].split(",") if ":" in n else [] for n in names]
+    return [o for o in opts[0] if all(o in rest for rest in opts[1:])] if opts else []
+
+
+def _short(name: str, common: list[str]) -> str:
+    if ":" not in name:
+        return name
+    head, tail = name.split(":", 1)
+    rest = [o for o in tail.split(",") if o not in common]
+    return head + (":" + ",".join(rest) if rest else "")
 
 
 def plot_sweep(
@@ -18,10 +33,16 @@ def plot_sweep(
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     methods: dict[str, list[tuple[float, float]]] = {}
     for c in cells:
         methods.setdefault(c["method"], []).append((float(c["budget"]), float(c["primary"])))
+    # the options every method shares go to the title once; the legend, beside the axes, names the rest
+    common = _common_options(list(methods))
+    labels = {m: _short(m, common) for m in methods}
+    width = 6.4 + 0.07 * max((len(x) for x in labels.values()), default=0)
+    fig, ax = plt.subplots(figsize=(width, 4.2), dpi=120)
+    if common:
+        title = f"{title}\n(every method: {','.join(common)})"
     # more methods than the default 10-colour cycle: tab20 colours and alternating markers keep lines apart
     palette = plt.get_cmap("tab20").colors
     markers = "osD^v<>ph*"
@@ -32,7 +53,7 @@ def plot_sweep(
             [p[1] for p in pts],
             marker=markers[i % len(markers)],
             color=palette[(2 * i) % 20 + (i // 10) % 2],
-            label=name,
+            label=labels[name],
         )
     if full is not None:
         ax.axhline(full, color="black", linestyle="--", linewidth=1, label=f"full cache ({full:.2f})")
@@ -48,16 +69,12 @@ def plot_sweep(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        fig.savefig(buf, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write_bytes(path, buf.getvalue())
     return path

@@ -168,3 +168,20 @@ def test_sweep_and_eval_name_the_scoring_rule(tiny_random_llava, tmp_path, capsy
     rc = main(["eval", "--model", str(tmp_path / "m"), "--task", "vqav2", "--data", str(data), "--out",
                str(tmp_path / "out"), "--max-new-tokens", "2", "--limit", "2", "--dtype", "float32", "--no-progress"])  # fmt: skip
     assert rc == 0 and "rules: lmms-eval (EvolvingLMMs-Lab/lmms-eval @ 7548ebe" in capsys.readouterr().out
+
+
+def test_sweep_plot_is_written_with_the_users_permissions(tmp_path):
+    import os
+
+    from mm_oval.eval.plots import plot_sweep
+
+    cells = [{"method": f"m{i}:sink_tokens=3,window={i}", "budget": b, "primary": 50.0 + i} for i in range(3)
+             for b in (0.1, 0.5)]  # fmt: skip
+    old = os.umask(0o027)
+    try:
+        out = plot_sweep(cells, 60.0, tmp_path / "p" / "sweep.png", title="t", ylabel="y")
+    finally:
+        os.umask(old)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out.stat().st_mode & 0o777) == 0o640  # not tempfile's 0600
+    assert [p.name for p in out.parent.iterdir()] == ["sweep.png"]  # no temporary file left
