@@ -37,3 +37,22 @@ def tiny_random_llava_dir(tiny_random_llava, tmp_path_factory):
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def llava_batch(tiny_random_llava):
+    """`llava_batch(texts, seed)`: the tiny LLaVA processor's batch of `texts`, one random 128x128 image each,
+    padded on the left (prompts of different lengths give the shorter ones left padding)."""
+    from PIL import Image
+
+    _, processor = tiny_random_llava
+
+    def make(texts: list[str], seed: int = 3):
+        g = torch.Generator().manual_seed(seed)
+        imgs = [
+            Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
+            for _ in texts
+        ]
+        return processor(images=imgs, text=texts, return_tensors="pt", padding=True)
+
+    return make

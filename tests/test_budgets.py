@@ -187,18 +187,12 @@ def _toy_info(B=2, N=40, n_img=16, pad=(0, 5), sink=2, recent=3):
 
 
 @pytest.fixture(scope="module")
-def inputs(tiny_random_llava):
-    _, processor = tiny_random_llava
-    g = torch.Generator().manual_seed(5)
-    imgs = [
-        Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
-        for _ in range(2)
-    ]
+def inputs(llava_batch):
     texts = [
         "USER: <image>\nwhat color is the circle ? ASSISTANT:",
         "USER: <image>\nhow many red objects are there in the picture now ? ASSISTANT:",
     ]
-    out = processor(images=imgs, text=texts, return_tensors="pt", padding=True)
+    out = llava_batch(texts, seed=5)
     assert out["attention_mask"][0, 0] == 0  # the shorter prompt is padded on the left
     return out
 

@@ -245,18 +245,12 @@ def test_options_come_through_the_method_spec_and_bad_ones_are_refused():
 
 
 @pytest.fixture(scope="module")
-def inputs(tiny_random_llava):
-    _, processor = tiny_random_llava
-    g = torch.Generator().manual_seed(3)
-    imgs = [
-        Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
-        for _ in range(2)
-    ]
+def inputs(llava_batch):
     texts = [
         "USER: <image>\nwhat color is the circle ? ASSISTANT:",
         "USER: <image>\nhow many objects ? ASSISTANT:",
     ]
-    enc = processor(images=imgs, text=texts, return_tensors="pt", padding=True)
+    enc = llava_batch(texts, seed=3)
     assert not bool(enc["attention_mask"][1].all())  # the second prompt is left-padded
     return enc
 

@@ -148,18 +148,12 @@ def test_every_baseline_is_registered():
 
 
 @pytest.fixture(scope="module")
-def inputs(tiny_random_llava):
-    _, processor = tiny_random_llava
-    g = torch.Generator().manual_seed(3)
-    imgs = [
-        Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
-        for _ in range(2)
-    ]
+def inputs(llava_batch):
     texts = [
         "USER: <image>\nwhat color is the circle ? ASSISTANT:",
         "USER: <image>\nhow many objects ? ASSISTANT:",
     ]
-    return processor(images=imgs, text=texts, return_tensors="pt", padding=True)
+    return llava_batch(texts, seed=3)
 
 
 @pytest.mark.parametrize("method", BASELINES)
