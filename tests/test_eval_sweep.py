@@ -160,7 +160,10 @@ def test_sweep_and_eval_name_the_scoring_rule(tiny_random_llava, tmp_path, capsy
     assert not (tmp_path / "bad" / "full").exists()  # refused before the first cell
     s = run_sweep(model, processor, "vqav2", data, ["knorm"], [0.5], tmp_path / "sw", rules="vqaeval", **kw)
     assert s["rules"]["name"] == "vqaeval" and s["rules"]["source"]["repository"] == "GT-Vision-Lab/VQA"
-    assert "Scored with rule vqaeval (GT-Vision-Lab/VQA @ a013f0043c" in (tmp_path / "sw" / "sweep.md").read_text()
+    assert (
+        "Scored with rule vqaeval (GT-Vision-Lab/VQA @ a013f0043c"
+        in (tmp_path / "sw" / "sweep.md").read_text()
+    )
     cell = json.loads((tmp_path / "sw" / s["cells"][0]["dir"] / "results.json").read_text())
     assert cell["scores"]["rules"]["name"] == "vqaeval"
     model.save_pretrained(tmp_path / "m")
