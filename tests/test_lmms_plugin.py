@@ -76,6 +76,12 @@ def test_bad_model_args_are_project_errors():
         MmOvalLlava.create_from_arg_string("pretrained=bundled,method=nosuchmethod,budget=0.25")
     with pytest.raises(ConfigError, match="compress"):
         MmOvalLlava.create_from_arg_string("pretrained=bundled,method=snapkv,budget=0.25,compress=later")
+    # a spec with several options travels in quotes through lmms-eval's comma-split model_args
+    lm = MmOvalLlava.create_from_arg_string(
+        'pretrained=bundled,method="snapkv:window=4,text_budget=0.5",budget=0.25,device=cpu'
+    )
+    cfg = lm.model._mm_oval.config
+    assert (cfg.method, cfg.budget, cfg.text_budget, cfg.method_options) == ("snapkv", 0.25, 0.5, {"window": 4})
 
 
 @pytest.mark.slow

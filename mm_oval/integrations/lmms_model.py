@@ -80,7 +80,9 @@ class MmOvalLlava(lmms):
             raise ConfigError(
                 f"mm_oval_llava: compress must be one of {runner.COMPRESS_AT}, got {compress!r}"
             )
-        method = str(method)
+        method = str(method).strip()
+        if len(method) >= 2 and method[0] == method[-1] and method[0] in "\"'":
+            method = method[1:-1]  # lmms-eval keeps the quotes that protect a spec's commas
         budget = runner.parse_budget(None if budget is None else str(budget))
         runner.check_method(method, budget)  # a typo fails before the weights load
         state = runner.process_state()
