@@ -84,53 +84,110 @@ def test_bad_model_args_are_project_errors():
     assert (cfg.method, cfg.budget, cfg.text_budget, cfg.method_options) == ("snapkv", 0.25, 0.5, {"window": 4})
 
 
-@pytest.mark.slow
-def test_lmms_eval_run_equals_the_harness(tmp_path):
-    from mm_oval.eval.runner import evaluate, load_model
+def _free_port() -> int:
+    import socket
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_lmms(tmp_path: Path, task: str, nproc: int = 1) -> tuple[Path, Path]:
+    """`python -m lmms_eval` (or, for nproc > 1, `accelerate launch --multi_gpu --num_processes N -m lmms_eval`
+    with the GPUs hidden: accelerate's `--cpu` path starts a single process unless mpirun is set up, while
+    torchrun-style workers on a CPU-only machine talk over gloo) on a local task; (output dir, kv_path)."""
     tasks = _task_dir(tmp_path)
-    out = tmp_path / "out"
+    out = tmp_path / f"out{nproc}"
     kv = out / "kv.json"
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}  # fmt: skip
-    cmd = [
-        sys.executable, "-m", "lmms_eval", "--model", "mm_oval_llava",
+           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    launch = [sys.executable]
+    if nproc > 1:
+        launch += ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_port", str(_free_port())]  # fmt: skip
+    cmd = launch + [
+        "-m", "lmms_eval", "--model", "mm_oval_llava",
         "--model_args", f"pretrained=bundled,method=snapkv,budget=0.25,dtype=float32,device=cpu,kv_path={kv}",
-        "--tasks", "mm_oval_vqav2_dev", "--include_path", str(tasks), "--limit", str(LIMIT),
+        "--tasks", task, "--include_path", str(tasks), "--limit", str(LIMIT),
         "--batch_size", "4", "--output_path", str(out), "--log_samples",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    samples = [json.loads(line) for f in out.rglob("*_samples_mm_oval_vqav2_dev.jsonl") for line in f.open()]
+    return out, kv
+
+
+def _samples(out: Path, task: str) -> list[dict]:
+    return [json.loads(line) for f in out.rglob(f"*_samples_{task}.jsonl") for line in f.open()]
+
+
+def _results(out: Path, task: str) -> dict:
+    return json.loads(next(iter(out.rglob("*_results.json"))).read_text())["results"][task]
+
+
+def _vqa_predictions(out: Path) -> dict[str, str]:
+    samples = _samples(out, "mm_oval_vqav2_dev")
     assert len(samples) == LIMIT
     # lmms-eval's doc_id is the row of the questions file (the dataset)
     questions = json.loads(Path(_questions_file()).read_text())["questions"]
-    lmms_pred = {}
+    pred = {}
     for s in samples:
         resp = s["filtered_resps"]
-        lmms_pred[str(questions[s["doc_id"]]["question_id"])] = resp[0] if isinstance(resp, list) else resp
+        pred[str(questions[s["doc_id"]]["question_id"])] = resp[0] if isinstance(resp, list) else resp
+    return pred
+
+
+def _harness(tmp_path: Path, task: str) -> tuple[dict[str, str], dict]:
+    """mm-oval's own harness on the first LIMIT items: (id -> prediction, results)."""
+    from mm_oval.eval.runner import evaluate, load_model
 
     model, processor = load_model("bundled", device="cpu", dtype="float32")
-    res = evaluate(model, processor, "vqav2", "bundled", method="snapkv", budget=0.25, limit=LIMIT,
-                   batch_size=4, out_dir=tmp_path / "harness", progress=False)  # fmt: skip
-    harness = {}
-    for f in (tmp_path / "harness").glob("predictions.rank*.jsonl"):
+    res = evaluate(model, processor, task, "bundled", method="snapkv", budget=0.25, limit=LIMIT,
+                   batch_size=4, out_dir=tmp_path / f"harness-{task}", progress=False)  # fmt: skip
+    pred = {}
+    for f in (tmp_path / f"harness-{task}").glob("predictions.rank*.jsonl"):
         for line in f.open():
             r = json.loads(line)
-            harness[r["id"]] = r["prediction"]
+            pred[r["id"]] = r["prediction"]
+    return pred, res
+
+
+@pytest.mark.slow
+def test_lmms_eval_run_equals_the_harness(tmp_path):
+    out, kv = _run_lmms(tmp_path, "mm_oval_vqav2_dev")
+    lmms_pred = _vqa_predictions(out)
+    harness, res = _harness(tmp_path, "vqav2")
     assert set(harness) == set(lmms_pred)
     assert lmms_pred == harness
     # same VQA rule (lmms-eval's) on the same items: the same accuracy
-    results = json.loads(next(iter(out.rglob("*_results.json"))).read_text())
-    acc = results["results"]["mm_oval_vqav2_dev"]["vqa_accuracy,none"]
+    acc = _results(out, "mm_oval_vqav2_dev")["vqa_accuracy,none"]
     assert acc * 100 == pytest.approx(res["scores"]["overall"], abs=0.01)
 
     figures = json.loads(kv.read_text())
     assert figures["method"] == "snapkv" and figures["budget"] == 0.25
+    assert (figures["rank"], figures["world_size"]) == (0, 1)
     assert sum(len(r["docs"]) for r in figures["requests"]) == LIMIT
     s = figures["summary"]
     assert s["kv_bytes_kept"] < s["kv_bytes_full"]
     assert 0 < s["image_kv_fraction_kept"] < 1
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_items_and_answer_as_one(tmp_path):
+    """accelerate launch with 2 CPU processes: each rank answers its stride of the docs (lmms-eval's split,
+    seen in the per-rank KV files) and the gathered predictions are the single-process harness's."""
+    out, kv = _run_lmms(tmp_path, "mm_oval_vqav2_dev", nproc=2)
+    assert not kv.exists()
+    docs = {}
+    for rank in (0, 1):
+        figures = json.loads((out / f"kv.rank{rank}.json").read_text())
+        assert (figures["rank"], figures["world_size"]) == (rank, 2)
+        docs[rank] = sorted(d[2] for r in figures["requests"] for d in r["docs"])
+    assert docs[0] == list(range(0, LIMIT, 2)) and docs[1] == list(range(1, LIMIT, 2))
+    harness, res = _harness(tmp_path, "vqav2")
+    assert _vqa_predictions(out) == harness
+    acc = _results(out, "mm_oval_vqav2_dev")["vqa_accuracy,none"]
+    assert acc * 100 == pytest.approx(res["scores"]["overall"], abs=0.01)
 
 
 def test_generate_until_batches_until_and_max_new_tokens():
