@@ -42,6 +42,67 @@ metadata:
 """
 
 
+POPE_YAML = """\
+task: mm_oval_pope_dev
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_visual: !function mm_oval_pope_dev_utils.doc_to_visual
+doc_to_text: !function mm_oval_pope_dev_utils.doc_to_text
+doc_to_target: "label"
+generation_kwargs:
+  max_new_tokens: 16
+  temperature: 0
+process_results: !function mm_oval_pope_dev_utils.process_results
+metric_list:
+  - metric: pope_accuracy
+    aggregation: !function mm_oval_pope_dev_utils.aggregate_accuracy
+    higher_is_better: true
+  - metric: pope_precision
+    aggregation: !function mm_oval_pope_dev_utils.aggregate_precision
+    higher_is_better: true
+  - metric: pope_recall
+    aggregation: !function mm_oval_pope_dev_utils.aggregate_recall
+    higher_is_better: true
+  - metric: pope_f1_score
+    aggregation: !function mm_oval_pope_dev_utils.aggregate_f1_score
+    higher_is_better: true
+  - metric: pope_yes_ratio
+    aggregation: !function mm_oval_pope_dev_utils.aggregate_yes_ratio
+    higher_is_better: true
+metadata:
+  - version: 0.0
+"""
+
+MMBENCH_YAML = """\
+task: mm_oval_mmbench_dev
+dataset_path: csv
+dataset_kwargs:
+  data_files:
+    dev: {data}
+  sep: "\\t"
+test_split: dev
+output_type: generate_until
+doc_to_visual: !function mm_oval_mmbench_dev_utils.doc_to_visual
+doc_to_text: !function mm_oval_mmbench_dev_utils.doc_to_text
+doc_to_target: "answer"
+generation_kwargs:
+  max_new_tokens: 16
+  temperature: 0
+  until: ["ASSISTANT:"]
+process_results: !function mm_oval_mmbench_dev_utils.process_results
+metric_list:
+  - metric: circular_accuracy
+    aggregation: !function mm_oval_mmbench_dev_utils.aggregate_circular_accuracy
+    higher_is_better: true
+metadata:
+  - version: 0.0
+"""
+
+
 def _questions_file() -> Path:
     from mm_oval.zoo import bundled_data_dir
 
@@ -52,10 +113,16 @@ def _task_dir(tmp_path: Path) -> Path:
     questions = _questions_file()
     d = tmp_path / "tasks"
     d.mkdir()
+    from mm_oval.zoo import bundled_data_dir
+
+    data = Path(bundled_data_dir())
     (d / "mm_oval_vqav2_dev.yaml").write_text(TASK_YAML.format(questions=json.dumps(str(questions))))
-    (d / "mm_oval_vqav2_dev_utils.py").write_text(
-        (HERE / "lmms_tasks" / "mm_oval_vqav2_dev_utils.py").read_text()
+    (d / "mm_oval_pope_dev.yaml").write_text(POPE_YAML.format(data=json.dumps(str(data / "pope_dev.jsonl"))))
+    (d / "mm_oval_mmbench_dev.yaml").write_text(
+        MMBENCH_YAML.format(data=json.dumps(str(data / "mmbench_dev.tsv")))
     )
+    for utils in (HERE / "lmms_tasks").glob("mm_oval_*_utils.py"):
+        (d / utils.name).write_text(utils.read_text())
     return d
 
 
@@ -228,3 +295,65 @@ def test_generate_until_batches_until_and_max_new_tokens():
         three.generate_until(requests({"num_beams": 2}))
     with pytest.raises(ConfigError, match="loglikelihood"):
         three.loglikelihood([])
+
+
+def _lmms_by_doc(out: Path, task: str) -> dict[int, str]:
+    samples = _samples(out, task)
+    assert len(samples) == LIMIT
+    return {s["doc_id"]: (r[0] if isinstance(r := s["filtered_resps"], list) else r) for s in samples}
+
+
+@pytest.mark.slow
+def test_lmms_eval_pope_equals_the_harness(tmp_path):
+    """The local POPE task (lmms-eval's prompt and scoring functions over the bundled dev file): the
+    harness's predictions on the same 20 rows; the scores agree where lmms-eval's rule is eval_pope's,
+    i.e. when every answer is exactly yes or no (lmms-eval compares the lowercased answer with the label,
+    LLaVA's eval_pope extracts yes/no first)."""
+    from mm_oval.zoo import bundled_data_dir
+
+    out, _ = _run_lmms(tmp_path, "mm_oval_pope_dev")
+    rows = [json.loads(line) for line in (Path(bundled_data_dir()) / "pope_dev.jsonl").open()]
+    lmms_pred = {str(rows[d]["question_id"]): p for d, p in _lmms_by_doc(out, "mm_oval_pope_dev").items()}
+    harness, res = _harness(tmp_path, "pope")
+    assert lmms_pred == harness
+    assert {p.lower().strip() for p in lmms_pred.values()} <= {"yes", "no"}  # so the rules agree here
+    lm = _results(out, "mm_oval_pope_dev")
+    scores = res["scores"]
+    for ours, theirs in (("accuracy", "pope_accuracy"), ("precision", "pope_precision"),
+                         ("recall", "pope_recall"), ("f1", "pope_f1_score")):  # fmt: skip
+        assert lm[f"{theirs},none"] * 100 == pytest.approx(scores[ours], abs=1e-6), ours
+    # lmms-eval's pope_yes_ratio is the share of yes *labels*; eval_pope's yes_ratio that of yes answers
+    labels_yes = sum(rows[i]["label"] == "yes" for i in range(LIMIT)) / LIMIT
+    assert lm["pope_yes_ratio,none"] == pytest.approx(labels_yes)
+
+
+@pytest.mark.slow
+def test_lmms_eval_mmbench_equals_the_harness(tmp_path):
+    """The local MMBench task (LLaVA-1.5's prompt, lmms-eval's CircularEval with its judge-free `static`
+    extraction): lmms-eval's --limit 20 takes the first 20 rows of the TSV (main rows and rotations
+    interleaved), and on those rows the predictions are the harness's; the circular accuracy over the same
+    rows is the same when mm-oval's OpenCompass extraction finds a letter in every answer (where it does
+    not, lmms-eval's static extraction may still find one, mm-oval counts the row wrong)."""
+    sys.path.insert(0, str(HERE / "lmms_tasks"))
+    try:
+        import mm_oval_mmbench_dev_utils as utils
+    finally:
+        sys.path.pop(0)
+    from mm_oval.eval.tasks import get_task
+
+    out, _ = _run_lmms(tmp_path, "mm_oval_mmbench_dev")
+    import pandas as pd
+
+    index = pd.read_csv(utils.data_file(), sep="\t", usecols=["index"])["index"].tolist()
+    lmms_pred = {str(index[d]): p for d, p in _lmms_by_doc(out, "mm_oval_mmbench_dev").items()}
+    harness, _ = _harness(tmp_path, "mmbench")  # the first 20 questions with all their rotations
+    assert set(lmms_pred) <= set(harness)
+    assert lmms_pred == {k: harness[k] for k in lmms_pred}
+    task = get_task("mmbench")
+    from mm_oval.zoo import bundled_data_dir
+
+    items = [it for it in task.load(Path(bundled_data_dir()), limit=LIMIT) if it.id in lmms_pred]
+    ours = task.score(items, lmms_pred)
+    assert ours["num_extraction_misses"] == 0  # the tiny model answers with a bare letter
+    lm = _results(out, "mm_oval_mmbench_dev")
+    assert lm["circular_accuracy,none"] == pytest.approx(ours["circular_accuracy"], abs=1e-6)
