@@ -293,8 +293,7 @@ def test_generate_until_batches_until_and_max_new_tokens():
     assert all(len(three.tokenizer(s, add_special_tokens=False)["input_ids"]) <= 1 for s in short)
     with pytest.raises(ConfigError, match="beam"):
         three.generate_until(requests({"num_beams": 2}))
-    with pytest.raises(ConfigError, match="loglikelihood"):
-        three.loglikelihood([])
+    assert three.loglikelihood([]) == []
 
 
 def _lmms_by_doc(out: Path, task: str) -> dict[int, str]:
@@ -357,3 +356,75 @@ def test_lmms_eval_mmbench_equals_the_harness(tmp_path):
     assert ours["num_extraction_misses"] == 0  # the tiny model answers with a bare letter
     lm = _results(out, "mm_oval_mmbench_dev")
     assert lm["circular_accuracy,none"] == pytest.approx(ours["circular_accuracy"], abs=1e-6)
+
+
+def test_loglikelihood_scores_the_continuation_on_the_compressed_cache():
+    """In-process: the sum of the continuation's log-probabilities and whether it is greedy. Without a
+    method it equals one forward over context + continuation; under snapkv the first token is scored on
+    the full prefill's last logits and the rest on the compressed cache, so a forced 3-token greedy decode
+    of the wrapped model (its raw logits) gives the same sum, and longer continuations move away from the
+    full cache's."""
+    from types import SimpleNamespace
+
+    import torch
+    from mm_oval.eval import runner
+
+    from mm_oval.integrations.lmms_model import MmOvalLlava
+
+    sys.path.insert(0, str(HERE / "lmms_tasks"))
+    try:
+        import mm_oval_vqav2_dev_utils as utils
+    finally:
+        sys.path.pop(0)
+    questions = json.loads(_questions_file().read_text())["questions"][:4]
+    docs = {"t": {"validation": questions}}
+
+    def requests(targets):
+        return [SimpleNamespace(args=(utils.doc_to_text(q), t, utils.doc_to_visual, i, "t", "validation"))
+                for i, (q, t) in enumerate(zip(questions, targets))]  # fmt: skip
+
+    full = MmOvalLlava(pretrained="bundled", method="full", dtype="float32", device="cpu")
+    snap = MmOvalLlava(pretrained="bundled", method="snapkv", budget=0.25, dtype="float32", device="cpu")
+    full.task_dict = snap.task_dict = docs
+    gen = {"max_new_tokens": 16, "temperature": 0}
+    answers = full.generate_until(requests([gen] * 4))
+    assert all(g for _, g in full.loglikelihood(requests(answers)))
+    other = ["purple elephant"] * 4
+    full_other = full.loglikelihood(requests(other))
+    assert not any(g for _, g in full_other) and all(ll < -1 for ll, _ in full_other)
+
+    model, proc = full.model, full._processor
+    q = questions[1]
+    text = runner.chat_prompt(proc, utils.doc_to_text(q))
+    img = utils.doc_to_visual(q)[0]
+    ctx = runner._model_inputs(proc, model, [img], [text])
+    both = runner._model_inputs(proc, model, [img], [text + " purple elephant"])
+    n = ctx["input_ids"].shape[1]
+    with torch.inference_mode():
+        logp = model(**both).logits.float().log_softmax(-1)[0]
+    cont = both["input_ids"][0, n:]
+    assert len(cont) > 1
+    ref = float(logp[n - 1 : -1].gather(1, cont[:, None]).sum())
+    assert full_other[1][0] == pytest.approx(ref, abs=1e-4)
+
+    # the wrapped model: generate's raw logits step by step on the compressed cache
+    model = snap.model
+    with torch.inference_mode():
+        g = model.generate(**ctx, max_new_tokens=3, min_new_tokens=3, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)  # fmt: skip
+    toks = g.sequences[0, n:]
+    ref = sum(float(lg[0].float().log_softmax(-1)[t]) for lg, t in zip(g.logits, toks))
+    forced = proc.tokenizer.decode(toks)
+    snap.kv_rows.clear()
+    ll, greedy = snap.loglikelihood(requests([answers[0], forced, answers[2], answers[3]]))[1]
+    assert ll == pytest.approx(ref, abs=1e-3)
+    assert greedy == bool((torch.stack([lg[0] for lg in g.logits]).argmax(-1) == toks).all())
+    assert len(snap.kv_rows) == 4 and snap.kv_summary()["image_kv_fraction_kept"] == pytest.approx(0.25)
+    snap_other = snap.loglikelihood(requests(other))
+    assert any(abs(a - b) > 1e-3 for (a, _), (b, _) in zip(snap_other, full_other))
+
+    image_first = MmOvalLlava(pretrained="bundled", method="snapkv", budget=0.25, dtype="float32",
+                              device="cpu", compress="image")  # fmt: skip
+    image_first.task_dict = docs
+    with pytest.raises(ConfigError, match="compress=prompt"):
+        image_first.loglikelihood(requests(answers))

@@ -206,11 +206,66 @@ class MmOvalLlava(lmms):
         return [t for t, _ in runner._decode_answers(proc.tokenizer, seq[:, inputs["input_ids"].shape[1] :])]
 
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
-        raise ConfigError(
-            "mm_oval_llava: loglikelihood tasks are not supported yet (a compressed cache changes the "
-            "context's KV, and scoring a continuation on it needs the compressed prefill's last logits); "
-            "use a generate_until task"
-        )
+        """lmms-eval's llava_hf contract: per request (context, target, doc_to_visual, doc_id, task, split),
+        the continuation's log-likelihood given the image and the context, and whether greedy decoding would
+        produce it. The context is prefilled through the wrapped model, so its cache is compressed by the
+        method (as in generation with compress=prompt); the first continuation token is scored on the
+        prefill's last logits, the others on the compressed cache. Unlike llava_hf, which returns the mean
+        token loss and compares argmaxes one position off, this returns the sum of the continuation's
+        log-probabilities (lm-eval's definition) and compares each token with the argmax that predicts it."""
+        if self.compress != "prompt":
+            raise ConfigError("mm_oval_llava: loglikelihood compresses after the context (compress=prompt)")
+        out = []
+        for context, target, doc_to_visual, doc_id, task, split in [r.args for r in requests]:
+            doc = self.task_dict[task][split][doc_id]
+            continuation = target if isinstance(target, str) else target(doc)
+            if isinstance(continuation, list):
+                continuation = continuation[0]
+            img = self._visual((context, target, doc_to_visual, doc_id, task, split))
+            prompt = context.replace("<image>", "").strip() if "<image>" in context else context
+            ll, greedy, stats = self._score(img, prompt, str(continuation))
+            if stats:
+                self.kv_rows.append({"docs": [(task, split, doc_id)], **stats})
+            out.append((ll, greedy))
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), (ll, greedy))
+        self._write_kv()
+        return out
+
+    def _score(self, image: Any, prompt: str, continuation: str) -> tuple[float, bool, dict | None]:
+        model, proc = self._model, self._processor
+        text = runner.chat_prompt(proc, prompt)
+        ctx = runner._model_inputs(proc, model, [image], [text])
+        full = runner._model_inputs(proc, model, [image], [text + " " + continuation.lstrip()])
+        n_ctx = ctx["input_ids"].shape[1]
+        if not torch.equal(full["input_ids"][:, :n_ctx], ctx["input_ids"]):
+            raise DataError(
+                f"mm_oval_llava: the context's tokens change when the continuation {continuation!r} follows"
+            )
+        cont = full["input_ids"][:, n_ctx:]
+        if cont.shape[1] == 0:
+            raise DataError(f"mm_oval_llava: the continuation {continuation!r} has no tokens")
+        wrapped = getattr(model, "_mm_oval", None) is not None
+        with torch.inference_mode():
+            if wrapped:
+                from ..wrapper import _prepare_request, new_cache
+
+                cache = new_cache(model)
+                _prepare_request(model, cache, ctx["input_ids"], ctx)
+            else:
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=model.config.get_text_config())
+            first = model(**ctx, cache=cache, use_cache=True).logits[:, -1:]
+            logits = [first]
+            if cont.shape[1] > 1:
+                step = cont[:, :-1]
+                mask = torch.ones(1, n_ctx + step.shape[1], dtype=ctx["attention_mask"].dtype, device=step.device)
+                logits.append(model(input_ids=step, attention_mask=mask, cache=cache, use_cache=True).logits)
+        logp = torch.log_softmax(torch.cat(logits, 1).float(), dim=-1)[0]
+        target = cont[0]
+        ll = float(logp.gather(1, target[:, None]).sum())
+        greedy = bool((logp.argmax(-1) == target).all())
+        return ll, greedy, runner._kv_stats(model) if wrapped else None
 
     def generate_until_multi_round(self, requests: list[Instance]) -> list[str]:
         raise ConfigError(
