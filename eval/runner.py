@@ -763,9 +763,6 @@ def evaluate(
         finally:
             if appender is not None:
                 appender.close()
-            if wrapped:
-                remove_method(model)
-                wrapped = False
         gen_s = time.perf_counter() - t_gen
 
         # every rank contributes its stride; all_gather so every rank can return the same results

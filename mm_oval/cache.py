@@ -253,10 +253,12 @@ class PagedLayer(CacheLayerMixin):
                         f"expected {(B, H, N)}"
                     )
                 # the budget's division (PyramidKV over the layers that evict, AdaKV over the heads)
-                evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
                 alloc = Allocation.of(policy, cfg.head_budget)
-                rank = evicting.index(self.layer_idx)
-                keep = choose_kept(scores, info, cfg, alloc, rank, len(evicting)) & valid
+                rank, n_evicting = 0, 1
+                if alloc.pyramid_beta is not None:  # only a per-layer schedule needs the layer's place
+                    evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
+                    rank, n_evicting = evicting.index(self.layer_idx), len(evicting)
+                keep = choose_kept(scores, info, cfg, alloc, rank, n_evicting) & valid
         args = (
             info.modality,
             info.positions,

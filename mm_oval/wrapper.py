@@ -30,7 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .errors import ConfigError, DataError, ModelError
-from .policies.base import EvictionPolicy, Rope, make_eviction, make_retrieval
+from .policies.base import Rope, make_eviction, make_retrieval
 from .policies.budgets import check_policy
 from .stats import cache_stats
 
@@ -276,7 +276,7 @@ def _prepare_request(model: Any, cache: PagedMultimodalCache, input_ids: Any, kw
     policy = state.eviction
     if policy is None or not state.config.evicts or not isinstance(input_ids, torch.Tensor):
         return
-    if type(policy).prepare_request is EvictionPolicy.prepare_request:  # nothing to prepare
+    if not policy.has_request_pass:  # nothing to prepare (a delegating policy answers for its scorer)
         return
     pixel_values = kwargs.get("pixel_values")
     _check_images(input_ids, pixel_values, model.config.image_token_id, state.tokens_per_image)

@@ -141,6 +141,12 @@ class EvictionPolicy:
         `PrefillContext.request_state` for every layer of this request. Default: nothing to prepare."""
         return None
 
+    @property
+    def has_request_pass(self) -> bool:
+        """Whether `prepare_request` does anything (the wrapper skips it otherwise): true for a class that
+        overrides it; a policy that delegates to another answers for that one."""
+        return type(self).prepare_request is not EvictionPolicy.prepare_request
+
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors the policy itself holds (learned weights, cached tables), counted in the stats'
         `allocated_bytes["method_state"]`. The default walks the policy's attributes (dicts, lists,

@@ -186,6 +186,10 @@ class BudgetPolicy(EvictionPolicy):
     def prepare_request(self, *args: Any, **kwargs: Any) -> Any:
         return self.scorer.prepare_request(*args, **kwargs)
 
+    @property
+    def has_request_pass(self) -> bool:  # type: ignore[override]
+        return bool(self.scorer.has_request_pass)
+
     def bind(self, model: Any) -> None:
         bind = getattr(self.scorer, "bind", None)
         if bind is not None:
