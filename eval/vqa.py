@@ -238,6 +238,14 @@ def vqa_accuracy(prediction: str, gt_answers: list[dict] | list[str], rule: str 
     return float(sum(accs)) / len(accs)
 
 
+def _label(ann: dict, key: str, where: str) -> str | None:
+    """An annotation's question_type / answer_type: a string, or absent (then not broken down)."""
+    value = ann.get(key)
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{where}: {key} must be a string such as \"what color\", got {value!r}")
+    return value
+
+
 def aggregate(rows: list[tuple[float, str | None, str | None]], n: int = 2) -> dict[str, Any]:
     """`VQAEval.setAccuracy`: rows are (accuracy, question_type, answer_type) in evaluation order."""
     if not rows:
@@ -388,7 +396,7 @@ class VQAv2Task(Task):
             seen[qid] = i
             if qid not in by_qid:
                 raise DataError(f"{where}: question_id {qid} is not in {q_path}")
-            rows.append((qid, answers, ann.get("question_type"), ann.get("answer_type")))
+            rows.append((qid, answers, _label(ann, "question_type", where), _label(ann, "answer_type", where)))
         unannotated = len(by_qid) - len(seen)
         self.load_counts = {
             "num_questions_in_file": len(by_qid),

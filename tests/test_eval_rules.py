@@ -147,6 +147,20 @@ def test_vqav2_repeated_question_id_is_an_error(tmp_path):
         VQAv2Task().read_predictions(tmp_path / "preds.json", [])
 
 
+def test_vqav2_question_and_answer_types_must_be_strings(tmp_path):
+    _vqa_files(tmp_path, n_questions=2, n_annotated=2)
+    anns = json.loads((tmp_path / "v2_annotations.json").read_text())
+    anns["annotations"][1]["answer_type"] = ["yes/no"]  # the breakdown key must be one label
+    (tmp_path / "v2_annotations.json").write_text(json.dumps(anns))
+    with pytest.raises(DataError, match=r"annotations\[1\]: answer_type must be a string"):
+        VQAv2Task().load(tmp_path)
+    del anns["annotations"][1]["answer_type"]  # absent: scored, left out of perAnswerType
+    (tmp_path / "v2_annotations.json").write_text(json.dumps(anns))
+    (tmp_path / "preds.json").write_text(json.dumps([{"question_id": 100 + i, "answer": "no"} for i in range(2)]))
+    s = score_file("vqav2", tmp_path, tmp_path / "preds.json")["scores"]
+    assert s["num_questions"] == 2
+
+
 @pytest.mark.parametrize("task, name", [("vqav2", "v2_questions.json"), ("pope", "pope.jsonl"),
                                         ("mmbench", "mmbench_dev.tsv"), ("textvqa", "TextVQA_val.json")])  # fmt: skip
 def test_non_utf8_data_file_is_a_data_error(tmp_path, task, name):
