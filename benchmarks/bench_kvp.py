@@ -25,7 +25,8 @@ import torch
 
 from mm_oval.policies.base import Rope, make_eviction, topk_mask
 from mm_oval.policies.budgets import pyramid_counts, shared_head_keep
-from mm_oval.policies.kvp import KVPAgentConfig, _atomic_write_bytes, bundled_agents_path, load_agents
+from mm_oval.policies.kvp_agents import KVPAgentConfig
+from mm_oval.policies.kvp_io import atomic_write_bytes, bundled_agents_path, load_agents
 from mm_oval.training.kvp import (
     TrainConfig,
     agent_scorer,
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_agents(args.agents or bundled_agents_path())
     model, processor = load_model(args.model)
-    from mm_oval.policies.kvp import check_signature, model_signature
+    from mm_oval.policies.signature import check_signature, model_signature
 
     check_signature(loaded.model, model_signature(model), loaded.source)
     cfg = loaded.agents.config
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{100 * sc['flop_ratio_llava7b_paper_agents']:.2f}%"
         )
     out = Path(args.out)
-    _atomic_write_bytes(out, json.dumps(results, indent=1, default=str).encode())
+    atomic_write_bytes(out, json.dumps(results, indent=1, default=str).encode())
     print(f"\nwrote {out}")
     return 0
 

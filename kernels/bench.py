@@ -1,7 +1,9 @@
-"""Decode-attention benchmark: the sparse paged decode kernel against dense decode over the whole cache.
+"""Kernel benchmark, one entry per op (BENCHES; `--ops` picks some): the sparse paged decode kernel
+against dense decode over the whole cache, then page scoring, KVP scoring and compaction.
 
-    python -m mm_oval.kernels.bench                 # CUDA: LLaVA-1.5-7B shapes; CPU: references, small
-    python -m mm_oval.kernels.bench --json out.json  # also write the rows
+    python -m mm_oval.kernels.bench                       # CUDA: LLaVA-1.5-7B shapes; CPU: references, small
+    python -m mm_oval.kernels.bench --ops kvp compact     # only those ops
+    python -m mm_oval.kernels.bench --json out.json       # also write the rows
 
 On CUDA it times, in one run, at LLaVA-1.5-7B's attention shape (32 query = 32 KV heads, head dim 128,
 fp16), contexts 1k/4k/16k/32k, batch 1 and 16, reading a fraction 1/16 .. 1 of the pages (16-token
@@ -12,9 +14,10 @@ pages, a random choice per head that always includes the open page):
 Each row: median time (triton.testing.do_bench, L2 flushed between runs), the bytes that call must read
 (K and V of the tokens read, the page table entries, q and out), GB/s and the fraction of the H200's
 4.8 TB/s, and the time relative to dense SDPA and to the same kernel reading every page.
-A second table times page scoring, top-k selection, KVP scoring and compaction at the same shapes.
-Before timing, on CUDA, every kernel is checked against its reference on the device (fp16 and bf16,
-ragged pages, GQA groups 1/4/8, split and unsplit); the exit status is 1 when one disagrees.
+A second table times page scoring (LOCKS/OVAL, Quest), KVP scoring (with the bundled agents' extra
+features) and compaction at the same shapes. Before timing, on CUDA, every kernel is checked against its
+naive.py reference on the device (VERIFY; sparse decode in fp16 and bf16, ragged pages, GQA groups
+1/4/8, split and unsplit); the exit status is 1 when one disagrees.
 
 On CPU there is no Triton kernel to time (the interpreter measures Python): it times the PyTorch
 references at small shapes in fp32, says so, and leaves the H200 column empty.
@@ -93,7 +96,8 @@ def random_selection(B, H, num_pages, fraction, device, generator) -> torch.Tens
     return torch.cat([keys, last], -1).to(torch.int32).to(device)
 
 
-def bench_decode(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
+def bench_sparse_decode(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """Decode attention, one token per sequence, reading a fraction of the pages."""
     from mm_oval import kernels as K
 
     cuda = device.type == "cuda"
@@ -169,158 +173,212 @@ def bench_decode(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
     return rows
 
 
-def bench_others(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
-    """Page scoring, selection, KVP scoring and compaction at the decode shapes (one fraction)."""
+def _other_shapes(args):
+    """(B, N) of the page-scoring, KVP and compaction rows."""
+    return [(B, N) for B in args.batches for N in args.other_contexts]
+
+
+def bench_lowrank_score(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """LOCKS / OVAL page scoring of every page (rank 8)."""
     from mm_oval import kernels as K
 
-    cuda = device.type == "cuda"
-    timer = _time_cuda if cuda else _time_cpu
+    cuda, timer = device.type == "cuda", _time_cuda if device.type == "cuda" else _time_cpu
     H, Hkv, D, ps, R = args.heads, args.kv_heads, args.head_dim, args.page_size, 8
     esize = torch.finfo(dtype).bits // 8
-    f = 1 / 8
     rows = []
-    for B in args.batches:
-        for N in args.other_contexts:
-            P = N // ps
-            q = torch.randn(B, H, D, device=device, dtype=dtype)
-            mu = torch.randn(B, Hkv, P, D, device=device, dtype=dtype)
-            basis = torch.randn(B, Hkv, P, D, R, device=device, dtype=dtype)
-            coef = torch.randn(B, Hkv, P, ps, R, device=device, dtype=dtype)
-            plen = torch.full((B, Hkv, P), ps, dtype=torch.int32, device=device)
-            n = (mu.numel() + basis.numel() + coef.numel()) * esize + plen.numel() * 4
-            t = timer(partial(K.page_score_lowrank, q, mu, basis, coef, plen), args.reps)
-            rows.append(_row("pages", f"page score LOCKS/OVAL r={R}", B, N, f, t, n, cuda))
-            kmax = mu + 1
-            n = 2 * mu.numel() * esize + plen.numel() * 4
-            t = timer(partial(K.page_score_quest, q, mu, kmax, plen), args.reps)
-            rows.append(_row("pages", "page score Quest", B, N, f, t, n, cuda))
-            scores = torch.randn(B, Hkv, P, device=device)
-            keep = torch.tensor([0, P - 1], dtype=torch.int32, device=device).expand(B, Hkv, 2).contiguous()
-            kk = max(2, round(P * f))
-            t = timer(partial(K.select_pages, scores, kk, keep), args.reps)
-            rows.append(
-                _row(
-                    "pages",
-                    f"select top-{kk} of {P}",
-                    B,
-                    N,
-                    f,
-                    t,
-                    scores.numel() * 4 + B * Hkv * kk * 4,
-                    cuda,
-                )
-            )
-            del mu, basis, coef, kmax
-            k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
-            v = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
-            keep_n = N // 4
-            index = (
-                torch.rand(B, Hkv, N, device=device).argsort(-1)[..., :keep_n].sort(-1).values.to(torch.int32)
-            )
-            n = (
-                4 * B * Hkv * keep_n * D * esize + index.numel() * 4
-            )  # read and write K and V of the kept tokens
-            t = timer(partial(K.compact_kv, k, v, index), args.reps)
-            rows.append(_row("pages", "compact 1/4 of the tokens", B, N, 0.25, t, n, cuda))
-            if B == 1:  # prefill scoring, once per layer and request
-                w = K.KVPWeights.random(Hkv, D, device=device)
-                pos = torch.arange(N, device=device)[None].expand(B, N).contiguous()
-                n = 2 * k.numel() * esize
-                t = timer(partial(K.kvp_score, k, v, pos, w), args.reps)
-                rows.append(_row("pages", "KVP agents (E=F=256) all heads", B, N, 1.0, t, n, cuda))
-            del k, v
+    for B, N in _other_shapes(args):
+        P = N // ps
+        q = torch.randn(B, H, D, device=device, dtype=dtype)
+        mu = torch.randn(B, Hkv, P, D, device=device, dtype=dtype)
+        basis = torch.randn(B, Hkv, P, D, R, device=device, dtype=dtype)
+        coef = torch.randn(B, Hkv, P, ps, R, device=device, dtype=dtype)
+        plen = torch.full((B, Hkv, P), ps, dtype=torch.int32, device=device)
+        n = (mu.numel() + basis.numel() + coef.numel()) * esize + plen.numel() * 4
+        t = timer(partial(K.page_score_lowrank, q, mu, basis, coef, plen), args.reps)
+        rows.append(_row("pages", f"page score LOCKS/OVAL r={R}", B, N, 1.0, t, n, cuda))
     return rows
 
 
-def verify(device: torch.device, dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)) -> bool:
-    """Every Triton kernel against its reference on this device, before timing (CUDA only: on CPU the
-    tests do this under the interpreter). Prints one line per check; False when one fails."""
-    from mm_oval.kernels import compact, page_score, sparse_decode, topk
-    from mm_oval.kernels import reference as ref
-    from mm_oval.kernels.kvp_score import kvp_score_triton
+def bench_quest_score(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """Quest page scoring of every page."""
+    from mm_oval import kernels as K
+
+    cuda, timer = device.type == "cuda", _time_cuda if device.type == "cuda" else _time_cpu
+    H, Hkv, D, ps = args.heads, args.kv_heads, args.head_dim, args.page_size
+    esize = torch.finfo(dtype).bits // 8
+    rows = []
+    for B, N in _other_shapes(args):
+        P = N // ps
+        q = torch.randn(B, H, D, device=device, dtype=dtype)
+        kmin = torch.randn(B, Hkv, P, D, device=device, dtype=dtype)
+        kmax = kmin + 1
+        plen = torch.full((B, Hkv, P), ps, dtype=torch.int32, device=device)
+        n = 2 * kmin.numel() * esize + plen.numel() * 4
+        t = timer(partial(K.page_score_quest, q, kmin, kmax, plen), args.reps)
+        rows.append(_row("pages", "page score Quest", B, N, 1.0, t, n, cuda))
+    return rows
+
+
+def bench_compact(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """Compaction of a quarter of the tokens after eviction."""
+    from mm_oval import kernels as K
+
+    cuda, timer = device.type == "cuda", _time_cuda if device.type == "cuda" else _time_cpu
+    Hkv, D = args.kv_heads, args.head_dim
+    esize = torch.finfo(dtype).bits // 8
+    rows = []
+    for B, N in _other_shapes(args):
+        k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
+        v = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
+        keep_n = N // 4
+        index = torch.rand(B, Hkv, N, device=device).argsort(-1)[..., :keep_n].sort(-1).values.to(torch.int32)
+        n = 4 * B * Hkv * keep_n * D * esize + index.numel() * 4  # read and write K and V of the kept tokens
+        t = timer(partial(K.compact_kv, k, v, index), args.reps)
+        rows.append(_row("pages", "compact 1/4 of the tokens", B, N, 0.25, t, n, cuda))
+    return rows
+
+
+def bench_kvp(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """KVP scoring of every prompt token, once per layer and request (batch 1), with the paper's agent
+    widths and the bundled agents' 24 extra features."""
+    from mm_oval import kernels as K
+
+    cuda, timer = device.type == "cuda", _time_cuda if device.type == "cuda" else _time_cpu
+    Hkv, D = args.kv_heads, args.head_dim
+    esize = torch.finfo(dtype).bits // 8
+    rows = []
+    for B, N in _other_shapes(args):
+        if B != 1:
+            continue
+        k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
+        v = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
+        pos = torch.arange(N, device=device)[None].expand(B, N).contiguous()
+        for X in (0, 24):
+            w = K.KVPWeights.random(Hkv, D, device=device, extra=X)
+            extra = torch.randn(B, N, X, device=device) if X else None
+            n = 2 * k.numel() * esize + (B * N * X * 4 if X else 0)
+            t = timer(partial(K.kvp_score, k, v, pos, w, extra), args.reps)
+            label = f"KVP agents (E=F=256{', 24 extras' if X else ''})"
+            rows.append(_row("pages", label, B, N, 1.0, t, n, cuda))
+    return rows
+
+
+BENCHES: dict[str, Callable[..., list[Row]]] = {
+    "sparse_decode": bench_sparse_decode,
+    "lowrank_score": bench_lowrank_score,
+    "quest_score": bench_quest_score,
+    "kvp": bench_kvp,
+    "compact": bench_compact,
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    f = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), f):
+        return float("inf")
+    return float((a[f] - b[f]).norm() / b[f].norm().clamp_min(1e-12))
+
+
+Check = tuple[str, float, float]  # name, relative error, bound
+
+
+def verify_sparse_decode(device: torch.device, g: torch.Generator) -> list[Check]:
+    from mm_oval.kernels.sparse_decode.kernel import sparse_paged_decode_triton
+    from mm_oval.kernels.sparse_decode.naive import sparse_paged_decode_naive
 
     from mm_oval import kernels as K
 
-    def rel(a, b):
-        a, b = a.float(), b.float()
-        f = torch.isfinite(b)
-        if not torch.equal(torch.isfinite(a), f):
-            return float("inf")
-        return float((a[f] - b[f]).norm() / b[f].norm().clamp_min(1e-12))
-
-    g = torch.Generator().manual_seed(0)
-    checks: list[tuple[str, float, float]] = []
-    for dtype in dtypes:
-        for B, Hkv, G, N, ps in [
-            (2, 32, 1, 4096, 16),
-            (3, 8, 4, 1000, 16),
-            (1, 4, 8, 300, 1),
-            (2, 4, 4, 777, 70),
-        ]:
+    checks = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for B, Hkv, G, N, ps in [(2, 32, 1, 4096, 16), (3, 8, 4, 1000, 16), (1, 4, 8, 300, 1), (2, 4, 4, 777, 70)]:
             D = 128
             q = torch.randn(B, Hkv * G, D, generator=g).to(device, dtype)
             k = torch.randn(B, Hkv, N, D, generator=g).to(device, dtype)
             v = torch.randn(B, Hkv, N, D, generator=g).to(device, dtype)
             lengths = torch.randint(N // 2, N + 1, (B, Hkv), generator=g).to(device)
             start, length = K.paginate(lengths, ps)
-            P = start.shape[-1]
-            idx = random_selection(B, Hkv, P, 1 / 4, device, g)
+            idx = random_selection(B, Hkv, start.shape[-1], 1 / 4, device, g)
             idx = torch.where(idx < (length > 0).sum(-1, keepdim=True), idx, -1)
-            want = ref.sparse_paged_decode_ref(q, k, v, start, length, idx)
+            want = sparse_paged_decode_naive(q, k, v, start, length, idx)
             for splits in (None, 1, 5):
-                got = sparse_decode.sparse_paged_decode_triton(q, k, v, start, length, idx, num_splits=splits)
-                err = max(rel(got[0], want[0]), rel(got[1], want[1]))
-                checks.append(
-                    (f"sparse decode {dtype} B{B} Hkv{Hkv} G{G} N{N} page{ps} splits {splits}", err, 2e-2)
-                )
+                got = sparse_paged_decode_triton(q, k, v, start, length, idx, num_splits=splits)
+                err = max(_rel(got[0], want[0]), _rel(got[1], want[1]))
+                checks.append((f"sparse decode {dtype} B{B} Hkv{Hkv} G{G} N{N} page{ps} splits {splits}", err, 2e-2))
+    return checks
+
+
+def _page_case(device: torch.device, g: torch.Generator):
     B, Hkv, G, D, P, T, R = 2, 32, 1, 128, 256, 16, 8
     q = torch.randn(B, Hkv * G, D, generator=g).to(device, torch.float16)
     mu = torch.randn(B, Hkv, P, D, generator=g).to(device, torch.float16)
     basis = (torch.randn(B, Hkv, P, D, R, generator=g) / 10).to(device, torch.float16)
     coef = torch.randn(B, Hkv, P, T, R, generator=g).to(device, torch.float16)
     plen = torch.randint(0, T + 1, (B, Hkv, P), generator=g).to(device, torch.int32)
-    checks.append(
-        (
-            "page score LOCKS/OVAL",
-            rel(
-                page_score.page_score_lowrank_triton(q, mu, basis, coef, plen),
-                ref.page_score_lowrank_ref(q, mu, basis, coef, plen),
-            ),
-            1e-3,
-        )
-    )
-    checks.append(
-        (
-            "page score Quest",
-            rel(
-                page_score.page_score_quest_triton(q, mu, mu + 1, plen),
-                ref.page_score_quest_ref(q, mu, mu + 1, plen),
-            ),
-            1e-3,
-        )
-    )
-    scores = torch.randn(B, Hkv, P, generator=g).to(device)
-    keep = torch.tensor([0, P - 1, 0], dtype=torch.int32, device=device).expand(B, Hkv, 3).contiguous()
-    same = torch.equal(topk.select_pages_triton(scores, 32, keep), ref.select_pages_ref(scores, 32, keep))
-    checks.append(("select pages", 0.0 if same else float("inf"), 0.0))
+    return q, mu, basis, coef, plen
+
+
+def verify_lowrank_score(device: torch.device, g: torch.Generator) -> list[Check]:
+    from mm_oval.kernels.lowrank_score.kernel import page_score_lowrank_triton
+    from mm_oval.kernels.lowrank_score.naive import page_score_lowrank_naive
+
+    case = _page_case(device, g)
+    return [("page score LOCKS/OVAL", _rel(page_score_lowrank_triton(*case), page_score_lowrank_naive(*case)), 1e-3)]
+
+
+def verify_quest_score(device: torch.device, g: torch.Generator) -> list[Check]:
+    from mm_oval.kernels.quest_score.kernel import page_score_quest_triton
+    from mm_oval.kernels.quest_score.naive import page_score_quest_naive
+
+    q, mu, _, _, plen = _page_case(device, g)
+    got, want = page_score_quest_triton(q, mu, mu + 1, plen), page_score_quest_naive(q, mu, mu + 1, plen)
+    return [("page score Quest", _rel(got, want), 1e-3)]
+
+
+def verify_kvp(device: torch.device, g: torch.Generator) -> list[Check]:
+    from mm_oval.kernels.kvp.kernel import kvp_score_triton
+    from mm_oval.kernels.kvp.naive import kvp_score_naive
+
+    from mm_oval import kernels as K
+
     kk = torch.randn(2, 8, 500, 128, generator=g).to(device, torch.float16)
     vv = torch.randn(2, 8, 500, 128, generator=g).to(device, torch.float16)
     pos = torch.arange(500, device=device)[None].expand(2, 500).contiguous()
-    w = K.KVPWeights.random(8, 128, generator=g, device=device)
-    # tf32 matmuls on the GPU against fp32 ones in the reference
-    checks.append(
-        (
-            "KVP scores",
-            rel(kvp_score_triton(kk, vv, pos, w), ref.kvp_score_ref(kk, vv, pos, w)),
-            2e-2,
-        )
-    )
+    checks = []
+    for X in (0, 24):
+        w = K.KVPWeights.random(8, 128, generator=g, device=device, extra=X)
+        extra = torch.randn(2, 500, X, generator=g).to(device) if X else None
+        # tf32 matmuls on the GPU against fp32 ones in the reference
+        err = _rel(kvp_score_triton(kk, vv, pos, w, extra), kvp_score_naive(kk, vv, pos, w, extra))
+        checks.append((f"KVP scores, {X} extra features", err, 2e-2))
+    return checks
+
+
+def verify_compact(device: torch.device, g: torch.Generator) -> list[Check]:
+    from mm_oval.kernels.compact.kernel import compact_kv_triton
+    from mm_oval.kernels.compact.naive import compact_kv_naive
+
+    kk = torch.randn(2, 8, 500, 128, generator=g).to(device, torch.float16)
+    vv = torch.randn(2, 8, 500, 128, generator=g).to(device, torch.float16)
     index = torch.rand(2, 8, 500, generator=g).argsort(-1)[..., :200].sort(-1).values.to(device, torch.int32)
-    got = compact.compact_kv_triton(kk, vv, index, 256)
-    want = ref.compact_kv_ref(kk, vv, index, 256)
-    checks.append(
-        ("compaction", 0.0 if all(torch.equal(a, b) for a, b in zip(got, want)) else float("inf"), 0.0)
-    )
+    got, want = compact_kv_triton(kk, vv, index, 256), compact_kv_naive(kk, vv, index, 256)
+    return [("compaction", 0.0 if all(torch.equal(a, b) for a, b in zip(got, want)) else float("inf"), 0.0)]
+
+
+VERIFY: dict[str, Callable[[torch.device, torch.Generator], list[Check]]] = {
+    "sparse_decode": verify_sparse_decode,
+    "lowrank_score": verify_lowrank_score,
+    "quest_score": verify_quest_score,
+    "kvp": verify_kvp,
+    "compact": verify_compact,
+}
+
+
+def verify(device: torch.device, ops: list[str]) -> bool:
+    """The Triton kernels of `ops` against their references on this device, before timing (CUDA only: on
+    CPU the tests do this under the interpreter). Prints one line per check; False when one fails."""
+    g = torch.Generator().manual_seed(0)
+    checks = [c for op in ops for c in VERIFY[op](device, g)]
     ok = True
     print("\nKernels against their references on this device (relative error, bound)")
     for name, err, bound in checks:
@@ -370,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reps", type=int, default=100, help="CUDA: ms of timed runs per row (CPU: best of 5 runs)"
     )
-    ap.add_argument("--skip-others", action="store_true", help="only the decode table")
+    ap.add_argument("--ops", nargs="+", choices=sorted(BENCHES), default=list(BENCHES), help="the ops to check and time")
     ap.add_argument(
         "--no-verify", action="store_true", help="CUDA: skip checking the kernels against the references"
     )
@@ -399,22 +457,23 @@ def main(argv: list[str] | None = None) -> int:
         f"heads {args.heads} (KV {args.kv_heads}), head dim {args.head_dim}, pages of {args.page_size} tokens, "
         f"torch {torch.__version__}"
     )
-    if use_cuda and not args.no_verify and not verify(device):
+    if use_cuda and not args.no_verify and not verify(device, args.ops):
         print(
             "a kernel disagrees with its reference on this device: timings follow anyway, do not trust them"
         )
         failed = True
     else:
         failed = False
-    rows = bench_decode(args, device, dtype)
-    print_table(
-        rows,
-        "Decode attention, one token per sequence "
-        f"(time: {'median of do_bench' if use_cuda else 'best of 5 runs'}; read = fraction of pages read)",
-    )
-    others = [] if args.skip_others else bench_others(args, device, dtype)
+    rows = bench_sparse_decode(args, device, dtype) if "sparse_decode" in args.ops else []
+    if rows:
+        print_table(
+            rows,
+            "Decode attention, one token per sequence "
+            f"(time: {'median of do_bench' if use_cuda else 'best of 5 runs'}; read = fraction of pages read)",
+        )
+    others = [r for op in args.ops if op != "sparse_decode" for r in BENCHES[op](args, device, dtype)]
     if others:
-        print_table(others, "Page scoring, selection (1/8 of pages), compaction, KVP scoring")
+        print_table(others, "Page scoring (every page), KVP scoring, compaction")
     if args.json:
         _write_json(
             args.json,

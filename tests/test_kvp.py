@@ -17,6 +17,7 @@ from mm_oval.policies.kvp import (
     model_signature,
     save_agents,
 )
+from mm_oval.policies.kvp_features import EXTRA_FEATURES, extra_features
 from mm_oval.training.kvp import (
     TrainConfig,
     agent_scorer,
@@ -99,18 +100,16 @@ def _perturbed(agents: KVPAgents) -> KVPAgents:
     return agents
 
 
-def test_agents_without_extra_features_match_the_kernel_reference_layout():
-    from mm_oval.kernels.reference import kvp_score_ref
+def test_agents_match_the_kernel_reference_layout():
+    from mm_oval.kernels.kvp.naive import kvp_score_naive
 
-    agents = _perturbed(
-        KVPAgents(KVPAgentConfig(num_layers=2, num_kv_heads=2, head_dim=32, extra_features=()))
-    )
+    agents = _perturbed(KVPAgents(KVPAgentConfig(num_layers=2, num_kv_heads=2, head_dim=32)))
     k, v = torch.randn(2, 2, 30, 32), torch.randn(2, 2, 30, 32)
     pos = torch.arange(30)[None].expand(2, 30)
     mod = torch.full((2, 30), TEXT)
     rc = torch.full((2, 30, 3), -1)
-    ours = agents.score_layer(1, k, v, pos, mod, rc)
-    ref = kvp_score_ref(k, v, pos, agents.layer_weights(1))
+    ours = agents.score_layer(1, k, v, pos, mod, rc)  # grad enabled: the module's autograd path
+    ref = kvp_score_naive(k, v, pos, agents.layer_weights(1), extra_features(pos, mod, rc, EXTRA_FEATURES))
     assert torch.allclose(ours, ref, atol=1e-4)
 
 

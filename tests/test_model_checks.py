@@ -85,15 +85,9 @@ def _truncate(path: Path) -> None:
 
 
 def test_truncated_or_incomplete_agent_and_router_files_are_clear_errors(tiny_random_llava, tmp_path):
-    from mm_oval.policies.kvp import (
-        CONFIG_NAME,
-        WEIGHTS_NAME,
-        KVPAgentConfig,
-        KVPAgents,
-        load_agents,
-        save_agents,
-    )
+    from mm_oval.policies.kvp import KVPAgentConfig, KVPAgents, load_agents, save_agents
     from mm_oval.policies.kvp import model_signature as kvp_signature
+    from mm_oval.policies.kvp_io import CONFIG_NAME, WEIGHTS_NAME
     from mm_oval.policies.router import CONFIG_FILE, WEIGHTS_FILE, load_router, save_router
     from mm_oval.training.router import new_router
 

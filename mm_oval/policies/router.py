@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, DataError, ModelError
-from . import kvp
+from . import signature
 from .base import IMAGE, DecodeContext, PageBatch, RetrievalPolicy, register_retrieval
 
 log = logging.getLogger(__name__)
@@ -74,16 +74,16 @@ class RouterConfig:
 
 _HINT = "train a router for this model with `mm-oval train-router --model <model> --out <dir>`"
 # the shapes a router depends on: its output rows (layers x KV heads) and its input width
-SHAPE_KEYS = (*kvp.SHAPE_KEYS, "hidden_size")
+SHAPE_KEYS = (*signature.SHAPE_KEYS, "hidden_size")
 
 
 def model_signature(model: Any) -> dict[str, Any]:
     """What identifies the model a router was trained for: the KVP agents' signature (shapes and the per-layer
-    k_proj / v_proj fingerprint, `mm_oval.policies.kvp.model_signature`) plus the model type and vocabulary."""
+    k_proj / v_proj fingerprint, `mm_oval.policies.signature.model_signature`) plus the model type and vocabulary."""
     cfg = model.config
-    text = kvp.text_config_of(model)
+    text = signature.text_config_of(model)
     return {
-        **kvp.model_signature(model),
+        **signature.model_signature(model),
         "model_type": str(getattr(cfg, "model_type", "")),
         "vocab_size": int(text.vocab_size),
     }
@@ -107,7 +107,7 @@ def _legacy_signature(model: Any) -> dict[str, Any]:
 
 def check_signature(saved: dict[str, Any], model: Any, where: str, check_weights: bool = True) -> None:
     """Raise ModelError (naming both signatures) when a router saved for `saved` meets another model: the
-    same check as KVP agents get (`mm_oval.policies.kvp.check_signature`)."""
+    same check as KVP agents get (`mm_oval.policies.signature.check_signature`)."""
     if "probe" not in saved:  # a router saved before the fingerprint: its own shapes and embedding digest
         now = _legacy_signature(model)
         diff = [k for k in saved if k in now and saved[k] != now[k]]
@@ -120,7 +120,7 @@ def check_signature(saved: dict[str, Any], model: Any, where: str, check_weights
                 f"{detail}): {_HINT}"
             )
         return
-    kvp.check_signature(
+    signature.check_signature(
         saved,
         model_signature(model),
         f"in {where}",
@@ -382,8 +382,8 @@ class RouterRetrieval(RetrievalPolicy):
             )
         probe = (c.model or {}).get("probe") or []
         if self.check_weights and pages.module is not None and i < len(probe):
-            got = kvp._probe_from_attention(pages.module)
-            if got and not kvp._probe_matches(probe[i], got):
+            got = signature.probe_from_attention(pages.module)
+            if got and not signature.probe_matches(probe[i], got):
                 raise ModelError(
                     f"the router in {self.source}: trained for model {c.model.get('name_or_path') or '?'} "
                     f"(fingerprint {c.model.get('fingerprint')}); layer {i} of this model has other weights: "

@@ -16,7 +16,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..policies.kvp import EXTRA_FEATURES, KVPAgentConfig, _atomic_write_bytes, model_signature, save_agents
+from ..policies.kvp_agents import EXTRA_FEATURES, KVPAgentConfig
+from ..policies.kvp_io import atomic_write_bytes, save_agents
+from ..policies.signature import model_signature
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print("held-out normalised cost (1 = optimal) and % of future attention evicted per budget:")
     print("\n".join(lines))
-    _atomic_write_bytes(
+    atomic_write_bytes(
         out / "heldout.json", json.dumps({str(k): v for k, v in table.items()}, indent=1).encode()
     )
     training = {

@@ -28,12 +28,9 @@ import torch
 from ..errors import ConfigError, DataError, ResultsError
 from ..modelfiles import load_checkpoint
 from ..policies.base import PAD, PrefillContext
-from ..policies.kvp import (
-    KVPAgentConfig,
-    KVPAgents,
-    _atomic_write_bytes,
-    extra_features,
-)
+from ..policies.kvp_agents import KVPAgentConfig, KVPAgents
+from ..policies.kvp_features import extra_features
+from ..policies.kvp_io import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +242,7 @@ def _ema_update(ema: KVPAgents, model: KVPAgents, decay: float) -> None:
 def _save_checkpoint(path: Path, payload: dict) -> None:
     buf = io.BytesIO()
     torch.save(payload, buf)
-    _atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def train_agents(

@@ -34,7 +34,8 @@ import torch
 
 from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..policies.base import IMAGE, TEXT
-from ..policies.kvp import _atomic_write_bytes, model_signature
+from ..policies.kvp_io import atomic_write_bytes
+from ..policies.signature import model_signature
 
 logger = logging.getLogger(__name__)
 # where the cache is compressed, as the evaluation's --compress: after the whole prompt, or right after the
@@ -464,9 +465,9 @@ def capture_traces(
             if progress:
                 progress(start + k + 1, len(samples))
         name = f"shard_{len(manifest['shards']):05d}.safetensors"
-        _atomic_write_bytes(out_dir / name, save(tensors, metadata={"sample_ids": json.dumps(ids)}))
+        atomic_write_bytes(out_dir / name, save(tensors, metadata={"sample_ids": json.dumps(ids)}))
         manifest["shards"].append({"file": name, "count": len(chunk), "sample_ids": ids})
-        _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+        atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
     return out_dir
 
 

@@ -5,8 +5,9 @@ projected and LayerNorm'd, concatenated and sent through Linear -> LayerNorm -> 
 registers bounded at the reference widths (E = F = 256), the E-wide projections are never held whole:
 a first pass over E-chunks accumulates each row's LayerNorm statistics, a second pass recomputes each
 chunk, normalises it and immediately multiplies it into the first MLP layer (split along its input
-rows). The F-wide hidden row is held whole (BLOCK_N x F fp32). Reference: reference.kvp_score_ref;
-weight layout: docs/kernels.md.
+rows). Agents with extra per-token features (modality, image grid, relative position) add one more
+small branch, LN_e(x @ we + be) @ w1x, from the (B, N, X) features shared by the heads. The F-wide
+hidden row is held whole (BLOCK_N x F fp32). Reference: naive.py; weight layout: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import LN_EPS, KVPWeights
+from .naive import LN_EPS, KVPWeights
 
 
 @triton.jit
@@ -105,6 +106,12 @@ def _kvp_kernel(
     LN1B,
     W2,
     B2,
+    EXTRA,
+    WE,
+    BE,
+    LNEW,
+    LNEB,
+    W1X,
     OUT,
     stride_kb,
     stride_kh,
@@ -113,6 +120,8 @@ def _kvp_kernel(
     stride_vh,
     stride_vn,
     stride_pb,
+    stride_xb,
+    stride_xn,
     H,
     N,
     D,
@@ -120,12 +129,17 @@ def _kvp_kernel(
     EP,
     L,
     F,
+    X,
+    EX,
     eps,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_EP: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    BLOCK_EX: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
@@ -217,6 +231,36 @@ def _kvp_kernel(
     )
     z += tl.dot(ep_n, w1p.to(tl.float32))
 
+    if HAS_EXTRA:  # extra features: (BLOCK_N, X) @ we -> LayerNorm over EX -> @ w1x
+        offs_x = tl.arange(0, BLOCK_X)
+        offs_ex = tl.arange(0, BLOCK_EX)
+        x_mask = offs_x < X
+        ex_mask = offs_ex < EX
+        xe = tl.load(
+            EXTRA + b * stride_xb + offs_n[:, None] * stride_xn + offs_x[None, :],
+            mask=n_mask[:, None] & x_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        we = tl.load(
+            WE + h64 * X * EX + offs_x[:, None] * EX + offs_ex[None, :],
+            mask=x_mask[:, None] & ex_mask[None, :],
+            other=0.0,
+        )
+        be = tl.load(BE + h * EX + offs_ex, mask=ex_mask, other=0.0)
+        ye = tl.where(ex_mask[None, :], tl.dot(xe, we.to(tl.float32)) + be[None, :], 0.0)
+        mean_e = tl.sum(ye, 1) / EX
+        ye_c = tl.where(ex_mask[None, :], ye - mean_e[:, None], 0.0)
+        rstd_e = 1.0 / tl.sqrt(tl.sum(ye_c * ye_c, 1) / EX + eps)
+        lew = tl.load(LNEW + h * EX + offs_ex, mask=ex_mask, other=0.0)
+        leb = tl.load(LNEB + h * EX + offs_ex, mask=ex_mask, other=0.0)
+        ye_n = tl.where(ex_mask[None, :], ye_c * rstd_e[:, None] * lew[None, :] + leb[None, :], 0.0)
+        w1x = tl.load(
+            W1X + h64 * EX * F + offs_ex[:, None] * F + offs_f[None, :],
+            mask=ex_mask[:, None] & f_mask[None, :],
+            other=0.0,
+        )
+        z += tl.dot(ye_n, w1x.to(tl.float32))
+
     # Linear bias -> LayerNorm over F -> SiLU -> output layer
     b1 = tl.load(B1 + h * F + offs_f, mask=f_mask, other=0.0)
     z = tl.where(f_mask[None, :], z + b1[None, :], 0.0)
@@ -234,10 +278,15 @@ def _kvp_kernel(
 
 
 def kvp_score_triton(
-    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, weights: KVPWeights
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    weights: KVPWeights,
+    extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
     B, H, N, D = keys.shape
     E, EP, L, F = weights.sizes
+    X = weights.extra_width
     w = weights.to(device=keys.device, dtype=torch.float32).contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()
@@ -245,6 +294,12 @@ def kvp_score_triton(
     out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)
     if N == 0:
         return out
+    if X:
+        extra = extra.to(torch.float32).contiguous()
+        branch = (extra, w.we, w.be, w.lne_w, w.lne_b, w.w1x)
+        EX = w.we.shape[2]
+    else:  # unused pointers: the branch is compiled out
+        branch, EX = (out,) * 6, 0
     BLOCK_F = max(16, triton.next_power_of_2(F))
     BLOCK_N = 32 if BLOCK_F <= 256 else 16
     _kvp_kernel[(B * H, triton.cdiv(N, BLOCK_N))](
@@ -268,6 +323,7 @@ def kvp_score_triton(
         w.ln1_b,
         w.w2,
         w.b2,
+        *branch,
         out,
         keys.stride(0),
         keys.stride(1),
@@ -276,6 +332,8 @@ def kvp_score_triton(
         values.stride(1),
         values.stride(2),
         positions.stride(0),
+        branch[0].stride(0) if X else 0,
+        branch[0].stride(1) if X else 0,
         H,
         N,
         D,
@@ -283,12 +341,17 @@ def kvp_score_triton(
         EP,
         L,
         F,
+        X,
+        EX,
         LN_EPS,
         BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_E=32,
         BLOCK_EP=max(16, triton.next_power_of_2(EP)),
         BLOCK_F=BLOCK_F,
+        HAS_EXTRA=bool(X),
+        BLOCK_X=max(16, triton.next_power_of_2(max(X, 1))),
+        BLOCK_EX=max(16, triton.next_power_of_2(max(EX, 1))),
         num_warps=8,
     )
     return out

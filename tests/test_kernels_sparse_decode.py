@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from mm_oval.kernels import merge_attention, pad_selection, paginate, selected_token_mask, sparse_paged_decode
-from mm_oval.kernels.reference import sparse_paged_decode_ref
-from mm_oval.kernels.sparse_decode import sparse_paged_decode_triton
+from mm_oval.kernels.sparse_decode.kernel import sparse_paged_decode_triton
+from mm_oval.kernels.sparse_decode.naive import sparse_paged_decode_naive
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
@@ -64,7 +64,7 @@ def ragged_case(B: int, Hkv: int, G: int, D: int, seed: int, dtype: torch.dtype,
 )
 def test_kernel_matches_reference(B, Hkv, G, D, dtype):
     q, k, v, ps, pl, idx = ragged_case(B, Hkv, G, D, seed=B * 100 + G * 10 + D, dtype=dtype)
-    ref_out, ref_lse = sparse_paged_decode_ref(q, k, v, ps, pl, idx)
+    ref_out, ref_lse = sparse_paged_decode_naive(q, k, v, ps, pl, idx)
     for splits in (1, 3):
         out, lse = sparse_paged_decode_triton(q, k, v, ps, pl, idx, num_splits=splits)
         assert out.dtype == dtype and out.shape == (B, Hkv * G, D)
@@ -75,7 +75,7 @@ def test_kernel_matches_reference(B, Hkv, G, D, dtype):
 
 def test_reference_is_attention_over_the_selected_tokens():
     q, k, v, ps, pl, idx = ragged_case(2, 2, 4, 64, seed=7, dtype=torch.float32)
-    out, lse = sparse_paged_decode_ref(q, k, v, ps, pl, idx, scale=0.2)
+    out, lse = sparse_paged_decode_naive(q, k, v, ps, pl, idx, scale=0.2)
     mask = selected_token_mask(ps, pl, idx, k.shape[2])
     for b in range(2):
         for hq in range(8):
@@ -89,7 +89,7 @@ def test_reference_is_attention_over_the_selected_tokens():
 def test_head_reading_nothing_gives_zero_and_minus_inf():
     q, k, v, ps, pl, idx = ragged_case(1, 2, 4, 64, seed=3, dtype=torch.float32)
     idx[0, 1] = -1
-    for fn in (sparse_paged_decode_ref, sparse_paged_decode_triton):
+    for fn in (sparse_paged_decode_naive, sparse_paged_decode_triton):
         out, lse = fn(q, k, v, ps, pl, idx)
         assert torch.all(out[0, 4:] == 0) and torch.all(lse[0, 4:] == float("-inf"))
         assert torch.isfinite(lse[0, :4]).all()
@@ -121,7 +121,7 @@ def test_strided_views_and_int64_tables():
     big_k[:, :, : k.shape[2]] = k
     kv_view = big_k[:, :, : k.shape[2]]
     out, lse = sparse_paged_decode_triton(q, kv_view, v, ps.long(), pl.long(), idx.long(), num_splits=2)
-    ref_out, ref_lse = sparse_paged_decode_ref(q, k, v, ps, pl, idx)
+    ref_out, ref_lse = sparse_paged_decode_naive(q, k, v, ps, pl, idx)
     assert rel_err(out, ref_out) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
 
 
@@ -144,7 +144,7 @@ def test_many_pages_per_tile(page_size, max_page_len):
         for b in range(B)
     ]
     idx = pad_selection(sel, width=P)
-    want = sparse_paged_decode_ref(q, k, v, start, length, idx)
+    want = sparse_paged_decode_naive(q, k, v, start, length, idx)
     for splits in (1, 3):
         got = sparse_paged_decode_triton(
             q, k, v, start, length, idx, num_splits=splits, max_page_len=max_page_len
@@ -156,6 +156,6 @@ def test_fp32_query_over_fp16_cache_keeps_the_query_dtype():
     q, k, v, ps, pl, idx = ragged_case(1, 2, 4, 64, seed=9, dtype=torch.float16)
     q32 = q.float()
     out, lse = sparse_paged_decode_triton(q32, k, v, ps, pl, idx)
-    ref_out, ref_lse = sparse_paged_decode_ref(q32, k, v, ps, pl, idx)
+    ref_out, ref_lse = sparse_paged_decode_naive(q32, k, v, ps, pl, idx)
     assert out.dtype == torch.float32
     assert rel_err(out, ref_out) < TOL[torch.float16] and rel_err(lse, ref_lse) < 1e-3

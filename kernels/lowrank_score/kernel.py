@@ -1,0 +1,166 @@
+"""LOCKS / OVAL page scoring (Triton): estimated log attention mass of each page from its low-rank
+basis, then the GQA combination (common.triton_utils.combine_gqa_triton).
+
+One program per (batch, KV head, block of BLOCK_P pages): the group's query rows are loaded once; for
+each query head it reads only the block's summaries (mu, basis, coefficients) and writes one raw score
+per page, logsumexp_i scale * (q . mu + (B^T q) . c_i). No key or value is read.
+Reference: naive.py; layout: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.triton_utils import combine_gqa_triton, last_contiguous
+
+
+@triton.jit
+def _lowrank_raw_kernel(
+    Q,
+    MU,
+    BASIS,
+    COEF,
+    PL,
+    RAW,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_mb,
+    stride_mh,
+    stride_mp,
+    stride_bb,
+    stride_bh,
+    stride_bp,
+    stride_bd,
+    stride_cb,
+    stride_ch,
+    stride_cp,
+    stride_ct,
+    stride_lb,
+    stride_lh,
+    Hkv,
+    P,
+    T,
+    R,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // Hkv).to(tl.int64)
+    h = pid_bh % Hkv
+    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_r = tl.arange(0, BLOCK_R)
+    p_mask = offs_p < P
+    d_mask = offs_d < D
+    r_mask = offs_r < R
+
+    length = tl.load(PL + b * stride_lb + h * stride_lh + offs_p, mask=p_mask, other=0)  # (BLOCK_P,)
+    mu = tl.load(
+        MU + b * stride_mb + h * stride_mh + offs_p[:, None] * stride_mp + offs_d[None, :],
+        mask=p_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # (BLOCK_P, BLOCK_D)
+    basis = tl.load(
+        BASIS
+        + b * stride_bb
+        + h * stride_bh
+        + offs_p[:, None, None] * stride_bp
+        + offs_d[None, :, None] * stride_bd
+        + offs_r[None, None, :],
+        mask=p_mask[:, None, None] & d_mask[None, :, None] & r_mask[None, None, :],
+        other=0.0,
+    ).to(tl.float32)  # (BLOCK_P, BLOCK_D, BLOCK_R)
+    t_valid = offs_t[None, :] < length[:, None]  # (BLOCK_P, BLOCK_T)
+    coef = tl.load(
+        COEF
+        + b * stride_cb
+        + h * stride_ch
+        + offs_p[:, None, None] * stride_cp
+        + offs_t[None, :, None] * stride_ct
+        + offs_r[None, None, :],
+        mask=t_valid[:, :, None] & (offs_t[None, :, None] < T) & r_mask[None, None, :],
+        other=0.0,
+    ).to(tl.float32)  # (BLOCK_P, BLOCK_T, BLOCK_R)
+
+    for g in tl.static_range(G):
+        qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=d_mask, other=0.0).to(
+            tl.float32
+        )
+        qmu = tl.sum(mu * qg[None, :], 1)  # (BLOCK_P,)
+        qv = tl.sum(basis * qg[None, :, None], 1)  # (BLOCK_P, BLOCK_R)
+        qvc = tl.sum(coef * qv[:, None, :], 2)  # (BLOCK_P, BLOCK_T)
+        s = (qmu[:, None] + qvc) * scale
+        s = tl.where(t_valid, s, float("-inf"))
+        m = tl.max(s, 1)
+        has = length > 0
+        m_safe = tl.where(has, m, 0.0)
+        z = tl.sum(tl.exp(s - m_safe[:, None]), 1)
+        raw = tl.where(has, m_safe + tl.log(tl.where(has, z, 1.0)), float("-inf"))
+        tl.store(RAW + ((pid_bh * G + g) * P) + offs_p, raw, mask=p_mask)
+
+
+def page_score_lowrank_triton(
+    q: torch.Tensor,
+    mu: torch.Tensor,
+    basis: torch.Tensor,
+    coef: torch.Tensor,
+    page_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    B, Hq, D = q.shape
+    Hkv, P, T, R = mu.shape[1], mu.shape[2], coef.shape[3], coef.shape[4]
+    G = Hq // Hkv
+    scale = D**-0.5 if scale is None else scale
+    q, mu, basis, coef = (last_contiguous(x) for x in (q, mu, basis, coef))
+    page_len = page_len.to(torch.int32).contiguous()
+    raw = torch.empty((B, Hkv, G, P), dtype=torch.float32, device=q.device)
+    if P == 0:
+        return raw.new_empty((B, Hkv, 0))
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_R = triton.next_power_of_2(R)
+    BLOCK_T = triton.next_power_of_2(T)
+    # about 8k fp32 elements of basis per program
+    BLOCK_P = max(1, min(triton.next_power_of_2(P), 8192 // (BLOCK_D * BLOCK_R)))
+    _lowrank_raw_kernel[(B * Hkv, triton.cdiv(P, BLOCK_P))](
+        q,
+        mu,
+        basis,
+        coef,
+        page_len,
+        raw,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        mu.stride(0),
+        mu.stride(1),
+        mu.stride(2),
+        basis.stride(0),
+        basis.stride(1),
+        basis.stride(2),
+        basis.stride(3),
+        coef.stride(0),
+        coef.stride(1),
+        coef.stride(2),
+        coef.stride(3),
+        page_len.stride(0),
+        page_len.stride(1),
+        Hkv,
+        P,
+        T,
+        R,
+        G=G,
+        D=D,
+        BLOCK_P=BLOCK_P,
+        BLOCK_D=BLOCK_D,
+        BLOCK_T=BLOCK_T,
+        BLOCK_R=BLOCK_R,
+    )
+    return combine_gqa_triton(raw)

@@ -1,0 +1,131 @@
+"""Saving and loading KVP agents: kvp_agents.safetensors (the weights) + kvp_config.json (the model they
+were trained for, their shape, how they were trained), and the bundled agents of the tiny LLaVA
+(package data). No pickle: weights load through safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelError
+from .kvp_agents import KVPAgentConfig, KVPAgents
+
+CONFIG_NAME = "kvp_config.json"
+WEIGHTS_NAME = "kvp_agents.safetensors"
+FORMAT = "mm-oval-kvp"
+FORMAT_VERSION = 1
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes the file private; results and agents are shared files
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_agents(
+    agents: KVPAgents, directory: str | Path, model_sig: dict, training: dict | None = None
+) -> Path:
+    """Write kvp_agents.safetensors + kvp_config.json (model shape, fingerprint, agent shape, training)."""
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in agents.state_dict().items()}
+    atomic_write_bytes(directory / WEIGHTS_NAME, save(tensors))
+    cfg = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "model": model_sig,
+        "agent": asdict(agents.config),
+        "training": training or {},
+    }
+    atomic_write_bytes(directory / CONFIG_NAME, json.dumps(cfg, indent=1).encode())
+    return directory
+
+
+@dataclass
+class LoadedAgents:
+    agents: KVPAgents
+    model: dict
+    training: dict = field(default_factory=dict)
+    source: str = ""
+
+
+def load_agents(directory: str | Path, device: str | torch.device | None = None) -> LoadedAgents:
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    cfg_path = directory / CONFIG_NAME
+    if not cfg_path.is_file() or not (directory / WEIGHTS_NAME).is_file():
+        raise ModelError(
+            f"{directory} holds no KVP agents (expected {CONFIG_NAME} and {WEIGHTS_NAME}); "
+            "train them with `mm-oval train-kvp --model ... --data ... --out DIR`"
+        )
+    from safetensors import SafetensorError
+
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{cfg_path} is not valid JSON ({e}); retrain or restore the agents") from e
+    if (
+        not isinstance(cfg, dict)
+        or cfg.get("format") != FORMAT
+        or int(cfg.get("version", -1)) > FORMAT_VERSION
+    ):
+        fmt = cfg.get("format") if isinstance(cfg, dict) else type(cfg).__name__
+        raise ModelError(f"{cfg_path} is not a KVP agents config this mm-oval can read ({fmt!r})")
+    try:
+        acfg = KVPAgentConfig(**cfg["agent"])
+        if not isinstance(cfg["model"], dict):
+            raise TypeError("'model' is not a dict")
+    except (KeyError, TypeError) as e:
+        raise ModelError(f"{cfg_path} is incomplete ({e}); retrain or restore the agents") from e
+    agents = KVPAgents(acfg)
+    weights = directory / WEIGHTS_NAME
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"{weights} is truncated or corrupt ({e}); retrain or restore the agents") from e
+    missing = set(agents.state_dict()) - set(state)
+    if missing:
+        raise ModelError(f"{weights} lacks {sorted(missing)}; the agents file is incomplete")
+    try:
+        agents.load_state_dict(state)
+    except RuntimeError as e:
+        raise ModelError(f"{weights} does not match {cfg_path} ({e}); retrain or restore the agents") from e
+    agents.eval().requires_grad_(False)
+    if device is not None:
+        agents.to(device)
+    return LoadedAgents(agents, cfg["model"], cfg.get("training", {}), str(directory))
+
+
+# names `agents` may take instead of a directory -> the package-data folder of the bundled tiny LLaVA's agents:
+# traces of whole prompts (compressed after the question, `--compress prompt`) or of prompts cut after the
+# image (`--compress image`, the question-agnostic setting; trained with 3 sinks and no recent window, as
+# the sweeps run it); per-head rankings, or one ranking over each layer's heads for `head_budget="shared"`
+BUNDLED_AGENTS = {
+    "bundled": "tiny_llava_kvp",
+    "bundled-joint": "tiny_llava_kvp_joint",
+    "bundled-image": "tiny_llava_kvp_image",
+    "bundled-image-joint": "tiny_llava_kvp_image_joint",
+}
+
+
+def bundled_agents_path(joint_heads: bool = False, name: str | None = None) -> Path:
+    """The agents trained for the bundled tiny LLaVA (package data): `name` one of BUNDLED_AGENTS, or by
+    default the per-head agents of whole prompts (`joint_heads`: their joint-heads twin)."""
+    name = name or ("bundled-joint" if joint_heads else "bundled")
+    return Path(str(resources.files("mm_oval.zoo").joinpath(BUNDLED_AGENTS[name])))
