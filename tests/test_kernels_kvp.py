@@ -8,7 +8,7 @@ import pytest
 import torch
 from mm_oval.kernels import KVPWeights, kvp_score
 from mm_oval.kernels.kvp.kernel import kvp_score_triton
-from mm_oval.kernels.kvp.naive import kvp_score_naive
+from mm_oval.kernels.kvp.naive import kvp_score_naive, position_table
 
 from mm_oval.errors import ConfigError
 from mm_oval.policies.base import IMAGE, PAD, TEXT
@@ -21,6 +21,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+@pytest.mark.parametrize("table", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "B, H, N, D, E, Ep, L, F, X",
@@ -32,13 +33,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
         (1, 3, 20, 16, 48, 8, 10, 40, 5),  # an extra width that is not a power of two
     ],
 )
-def test_kernel_matches_naive(B, H, N, D, E, Ep, L, F, X, dtype):
+def test_kernel_matches_naive(B, H, N, D, E, Ep, L, F, X, dtype, table):
     g = torch.Generator().manual_seed(N + H + X)
     w = KVPWeights.random(H, D, E, Ep, L, F, generator=g, extra=X)
     k = torch.randn(B, H, N, D, generator=g).to(dtype)
     v = torch.randn(B, H, N, D, generator=g).to(dtype)
     pos = torch.randint(-1, L + 5, (B, N), generator=g)
     extra = torch.randn(B, N, X, generator=g) if X else None
+    if table:  # the position branch precomputed per table row scores the same
+        before = kvp_score_naive(k, v, pos, w, extra)
+        w.pos_term = position_table(w)
+        torch.testing.assert_close(kvp_score_naive(k, v, pos, w, extra), before)
     got = kvp_score_triton(k, v, pos, w, extra)
     want = kvp_score_naive(k, v, pos, w, extra)
     assert got.shape == (B, H, N) and got.dtype == torch.float32
@@ -59,13 +64,15 @@ def _prompt(B: int, N: int, grid: int = 4, seed: int = 0):
     return positions, modality, rc, g
 
 
-@pytest.mark.parametrize("features", [(), ("modality", "grid", "relpos"), ("relpos",)])
-def test_naive_is_the_agents_module(features):
+@pytest.mark.parametrize(
+    "features, shared", [((), False), (("modality", "grid", "relpos"), False), (("relpos",), True)]
+)
+def test_naive_is_the_agents_module(features, shared):
     """KVPAgents hands its layer weights over in the kernels' layout; the reference (and the kernel) must
     score as the module's differentiable path does, extra features included."""
     cfg = KVPAgentConfig(
         num_layers=2, num_kv_heads=2, head_dim=16, proj=32, pos_dim=8, pos_table=40, hidden=24,
-        extra_features=features,
+        extra_features=features, shared=shared,
     )  # fmt: skip
     torch.manual_seed(0)
     agents = KVPAgents(cfg)
@@ -83,6 +90,8 @@ def test_naive_is_the_agents_module(features):
     live = modality[:, None, :].expand(B, 2, N) != PAD
     for fn in (kvp_score_naive, kvp_score_triton):
         torch.testing.assert_close(fn(keys, values, positions, w, extra)[live], want.detach()[live])
+    with torch.no_grad():  # without gradients the module scores through the dispatcher
+        torch.testing.assert_close(agents.score_layer(1, keys, values, positions, modality, rc), want.detach())
 
 
 @pytest.mark.parametrize("name", sorted(BUNDLED_AGENTS))

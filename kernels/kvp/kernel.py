@@ -112,6 +112,7 @@ def _kvp_kernel(
     LNEW,
     LNEB,
     W1X,
+    PT,
     OUT,
     stride_kb,
     stride_kh,
@@ -138,6 +139,7 @@ def _kvp_kernel(
     BLOCK_EP: tl.constexpr,
     BLOCK_F: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
+    HAS_POS_TABLE: tl.constexpr,
     BLOCK_X: tl.constexpr,
     BLOCK_EX: tl.constexpr,
 ):
@@ -213,23 +215,30 @@ def _kvp_kernel(
     # position branch: embedding row clamp(p, 0, L - 1), LayerNorm over EP
     pos = tl.load(POS + b * stride_pb + offs_n, mask=n_mask, other=0)
     pos = tl.minimum(tl.maximum(pos, 0), L - 1).to(tl.int64)
-    ep = tl.load(
-        PEMB + h64 * L * EP + pos[:, None] * EP + offs_p[None, :],
-        mask=n_mask[:, None] & p_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    mean_p = tl.sum(ep, 1) / EP
-    ep_c = tl.where(p_mask[None, :], ep - mean_p[:, None], 0.0)
-    rstd_p = 1.0 / tl.sqrt(tl.sum(ep_c * ep_c, 1) / EP + eps)
-    lpw = tl.load(LNPW + h * EP + offs_p, mask=p_mask, other=0.0)
-    lpb = tl.load(LNPB + h * EP + offs_p, mask=p_mask, other=0.0)
-    ep_n = tl.where(p_mask[None, :], ep_c * rstd_p[:, None] * lpw[None, :] + lpb[None, :], 0.0)
-    w1p = tl.load(
-        w1 + (2 * E + offs_p)[:, None] * F + offs_f[None, :],
-        mask=p_mask[:, None] & f_mask[None, :],
-        other=0.0,
-    )
-    z += tl.dot(ep_n, w1p.to(tl.float32))
+    if HAS_POS_TABLE:  # the branch precomputed per table row: one F-wide row per token
+        z += tl.load(
+            PT + h64 * L * F + pos[:, None] * F + offs_f[None, :],
+            mask=n_mask[:, None] & f_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+    else:
+        ep = tl.load(
+            PEMB + h64 * L * EP + pos[:, None] * EP + offs_p[None, :],
+            mask=n_mask[:, None] & p_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        mean_p = tl.sum(ep, 1) / EP
+        ep_c = tl.where(p_mask[None, :], ep - mean_p[:, None], 0.0)
+        rstd_p = 1.0 / tl.sqrt(tl.sum(ep_c * ep_c, 1) / EP + eps)
+        lpw = tl.load(LNPW + h * EP + offs_p, mask=p_mask, other=0.0)
+        lpb = tl.load(LNPB + h * EP + offs_p, mask=p_mask, other=0.0)
+        ep_n = tl.where(p_mask[None, :], ep_c * rstd_p[:, None] * lpw[None, :] + lpb[None, :], 0.0)
+        w1p = tl.load(
+            w1 + (2 * E + offs_p)[:, None] * F + offs_f[None, :],
+            mask=p_mask[:, None] & f_mask[None, :],
+            other=0.0,
+        )
+        z += tl.dot(ep_n, w1p.to(tl.float32))
 
     if HAS_EXTRA:  # extra features: (BLOCK_N, X) @ we -> LayerNorm over EX -> @ w1x
         offs_x = tl.arange(0, BLOCK_X)
@@ -300,6 +309,7 @@ def kvp_score_triton(
         EX = w.we.shape[2]
     else:  # unused pointers: the branch is compiled out
         branch, EX = (out,) * 6, 0
+    pos_table = out if w.pos_term is None else w.pos_term
     BLOCK_F = max(16, triton.next_power_of_2(F))
     BLOCK_N = 32 if BLOCK_F <= 256 else 16
     _kvp_kernel[(B * H, triton.cdiv(N, BLOCK_N))](
@@ -324,6 +334,7 @@ def kvp_score_triton(
         w.w2,
         w.b2,
         *branch,
+        pos_table,
         out,
         keys.stride(0),
         keys.stride(1),
@@ -350,6 +361,7 @@ def kvp_score_triton(
         BLOCK_EP=max(16, triton.next_power_of_2(EP)),
         BLOCK_F=BLOCK_F,
         HAS_EXTRA=bool(X),
+        HAS_POS_TABLE=w.pos_term is not None,
         BLOCK_X=max(16, triton.next_power_of_2(max(X, 1))),
         BLOCK_EX=max(16, triton.next_power_of_2(max(EX, 1))),
         num_warps=8,

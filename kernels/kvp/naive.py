@@ -27,7 +27,7 @@ EXTRA_WEIGHTS = ("we", "be", "lne_w", "lne_b", "w1x")
 class KVPWeights:
     """The KVP agents of one layer, every tensor stacked over the layer's H KV heads; linear weights
     are (H, in, out). The extra-feature branch (`we` .. `w1x`) is None for agents without extra
-    features. Layout table: docs/kernels.md."""
+    features; `pos_term` is an optional precomputed position branch. Layout table: docs/kernels.md."""
 
     wk: torch.Tensor  # (H, D, E)
     bk: torch.Tensor  # (H, E)
@@ -51,6 +51,9 @@ class KVPWeights:
     lne_w: torch.Tensor | None = None  # (H, Ex)
     lne_b: torch.Tensor | None = None  # (H, Ex)
     w1x: torch.Tensor | None = None  # (H, Ex, F)
+    # the position branch precomputed for every table row, position_table(self) (H, L, F): when given,
+    # scoring looks a row up instead of computing LN_p(pos_emb[p]) @ w1[2E:] per token
+    pos_term: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -187,4 +190,7 @@ def kvp_score_naive(
     v = values.float().transpose(0, 1).reshape(H, B * N, D)
     p = positions.reshape(1, B * N).expand(H, B * N)
     ex = None if extra is None else extra.float().reshape(1, B * N, -1).expand(H, B * N, extra.shape[-1])
-    return agent_scores(w, k, v, p, ex).reshape(H, B, N).transpose(0, 1)
+    term = None
+    if w.pos_term is not None:
+        term = w.pos_term[:, positions.long().clamp(0, w.pos_term.shape[1] - 1).reshape(B * N)]
+    return agent_scores(w, k, v, p, ex, term).reshape(H, B, N).transpose(0, 1)

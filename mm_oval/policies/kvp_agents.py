@@ -154,10 +154,10 @@ class KVPAgents(nn.Module):
             return agent_scores(self.weights(w), keys, values, p, extra)
         return agent_scores(self.weights(w, with_positions=False), keys, values, p, extra, self._position_term(w, p))
 
-    def _position_term(self, w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """LN_p(pos_emb[p]) @ w1_p per agent: (A, M, F). Positions are a table lookup, so at inference the term
-        of every (agent, position) is computed once per weights and looked up."""
-        A, M = p.shape
+    def position_table(self) -> torch.Tensor:
+        """LN_p(pos_emb) @ w1_p for every (weight set, position): (S, P, F). Positions are a table lookup,
+        so at inference the position branch is computed once per weights (rebuilt after an update) and
+        looked up."""
         params = (self.pos_emb, self.lnp_w, self.lnp_b, self.w1)
         key = tuple((t._version, t.data_ptr(), t.dtype) for t in params)
         cached = getattr(self, "_pos_terms", None)
@@ -166,15 +166,28 @@ class KVPAgents(nn.Module):
                 all_sets = torch.arange(self.config.num_weight_sets, device=self.pos_emb.device)
                 table = position_table(self.weights(all_sets))  # (S, P, F)
             cached = self._pos_terms = (key, table.reshape(-1, table.shape[-1]))
+        return cached[1].view(self.config.num_weight_sets, self.config.pos_table, -1)
+
+    def _position_term(self, w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """The position branch of agents `w` at positions p (A, M), looked up: (A, M, F)."""
+        A, M = p.shape
+        table = self.position_table()
+        flat = table.reshape(-1, table.shape[-1])
         rows = w[:, None] * self.config.pos_table + p  # (A, M) into the flattened (S * P, F) table
-        return cached[1].index_select(0, rows.reshape(-1)).view(A, M, -1)
+        return flat.index_select(0, rows.reshape(-1)).view(A, M, -1)
 
     def layer_weights(self, layer_idx: int) -> KVPWeights:
-        """The agents of one layer as the kernels' `KVPWeights` (detached copies, extra-feature branch
-        included when the agents read extra features)."""
+        """The agents of one layer as the kernels' `KVPWeights`: detached views of the parameters (copies
+        for a shared agent), the extra-feature branch when the agents read extra features, and the
+        cached position table as `pos_term`."""
         H = self.config.num_kv_heads
-        idx = self.weight_index(torch.arange(H, device=self.wk.device) + layer_idx * H)
-        return self.weights(idx).to(torch.float32).contiguous().apply(lambda t: t.detach())
+        names = self._WEIGHTS + (EXTRA_WEIGHTS if self.use_extra else ())
+        table = self.position_table()
+        if self.config.shared:
+            pick = lambda t: t.detach()[:1].expand(H, *t.shape[1:]).contiguous()  # noqa: E731
+        else:
+            pick = lambda t: t.detach()[layer_idx * H : (layer_idx + 1) * H]  # noqa: E731
+        return KVPWeights(**{n: pick(getattr(self, n)) for n in names}, pos_term=pick(table))
 
     def check_layer(self, layer_idx: int, keys: torch.Tensor) -> None:
         """ModelError unless `keys` (B, Hkv, N, D) fit the agents of layer `layer_idx`."""
