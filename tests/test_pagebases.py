@@ -1,26 +1,34 @@
-"""LOCKS / OVAL page bases and Quest summaries as tensor functions: the bases are the eigenvectors the
-papers define, the scores estimate the page's attention mass, and the selection measures are right."""
+"""LOCKS / OVAL page bases and Quest bounds as tensor functions: the bases are the eigenvectors the
+papers define, the kernels' scores of them estimate the page's attention mass, and the selection
+measures are right."""
 
 import math
 
 import pytest
 import torch
+from mm_oval.kernels.common.gqa import combine_gqa
+from mm_oval.kernels.lowrank_score.naive import page_raw_lowrank_naive
+from mm_oval.kernels.quest_score.naive import page_raw_quest_naive
 
 from mm_oval.errors import ConfigError
-from mm_oval.policies.pagebases import (
-    attention_mass_captured,
-    basis_scores,
-    combine_group,
-    exact_page_log_mass,
-    output_metric,
-    page_bases,
-    quest_scores,
-    quest_summaries,
-    selected_token_mask,
-    top_pages,
-)
+from mm_oval.policies.page_measures import attention_mass_captured, exact_page_log_mass, read_tokens
+from mm_oval.policies.page_summaries import PageBasisSummary, key_bounds, output_metric, page_bases
 
 B, HKV, HQ, P, T, D = 2, 2, 4, 5, 16, 32
+
+
+def basis_scores(query: torch.Tensor, s: PageBasisSummary, scaling: float) -> torch.Tensor:
+    """The page_score_lowrank kernel's per-query-head score of the summaries, (B, Hq, P)."""
+    page_len = s.token_mask.sum(-1)
+    raw = page_raw_lowrank_naive(query, s.centroid, s.basis, s.coeffs, page_len, scaling)
+    return raw.reshape(query.shape[0], query.shape[1], -1)
+
+
+def quest_scores(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The page_score_quest kernel's per-query-head bound of the pages' key bounds, (B, Hq, P)."""
+    kmin, kmax = key_bounds(keys, mask)
+    raw = page_raw_quest_naive(query, kmin, kmax, mask.sum(-1), scaling)
+    return raw.reshape(query.shape[0], query.shape[1], -1)
 
 
 def _direct_basis(k, v, g, eta, rank):
@@ -102,7 +110,7 @@ def test_partly_filled_pages_ignore_empty_slots_and_empty_pages_score_minus_inf(
     want = exact_page_log_mass(q, k, mask, 0.2)
     assert torch.allclose(got[..., :2], want[..., :2], atol=1e-4)
     assert torch.isinf(got[..., 2]).all() and (got[..., 2] < 0).all()
-    qs = quest_scores(q, quest_summaries(garbage, mask), 0.2)
+    qs = quest_scores(q, garbage, mask, 0.2)
     assert torch.isinf(qs[..., 2]).all()
 
 
@@ -124,7 +132,7 @@ def test_quest_bound_is_an_upper_bound_of_every_key_in_the_page():
     torch.manual_seed(6)
     k = torch.randn(B, HKV, P, T, D)
     q = torch.randn(B, HQ, D)
-    s = quest_scores(q, quest_summaries(k), 1.0)
+    s = quest_scores(q, k, torch.ones(k.shape[:-1], dtype=torch.bool), 1.0)
     qk = torch.einsum("bhgd,bhptd->bhgpt", q.reshape(B, HKV, 2, D), k).amax(-1).reshape(B, HQ, P)
     assert (s >= qk - 1e-4).all()
 
@@ -133,7 +141,7 @@ def test_group_combination_is_a_distribution_over_pages_per_kv_head():
     scores = torch.tensor(
         [[[0.0, 1.0, float("-inf")], [2.0, 0.0, float("-inf")]]]
     )  # 2 query heads, 1 KV head
-    c = combine_group(scores, 1)
+    c = combine_gqa(scores[:, None])  # (B, Hkv, G, P)
     assert c.shape == (1, 1, 3)
     assert torch.allclose(c.exp().sum(-1), torch.ones(1, 1))
     assert c[0, 0, 2] == float("-inf")
@@ -141,22 +149,12 @@ def test_group_combination_is_a_distribution_over_pages_per_kv_head():
     assert torch.allclose(c[0, 0, :2].exp(), want)
 
 
-def test_top_pages_respects_forced_and_invalid_pages_and_pads_with_minus_one():
-    s = torch.tensor([[0.9, 0.1, 0.5, 0.7, 0.3]])
-    assert top_pages(s, 2).tolist() == [[0, 3]]
-    forced = torch.tensor([[False, True, False, False, False]])
-    assert top_pages(s, 2, forced=forced).tolist() == [[0, 1]]
-    valid = torch.tensor([[False, True, True, False, False]])
-    assert top_pages(s, 3, valid=valid).tolist() == [[1, 2, -1]]
-    assert top_pages(s, 7).tolist() == [[0, 1, 2, 3, 4, -1, -1]]
-
-
 def test_mass_captured_is_one_with_every_page_and_counts_only_read_tokens():
     attn = torch.tensor([[[0.5, 0.1, 0.3, 0.1]]])  # 1 query head
     token_page = torch.tensor([[[0, 0, 1, -1]]])  # last token sits in the open page: always read
-    everything = selected_token_mask(token_page, torch.tensor([[[0, 1]]]))
+    everything = read_tokens(token_page, torch.tensor([[[0, 1]]]))
     assert attention_mass_captured(attn, everything).item() == pytest.approx(1.0)
-    only_1 = selected_token_mask(token_page, torch.tensor([[[1, -1]]]))
+    only_1 = read_tokens(token_page, torch.tensor([[[1, -1]]]))
     assert only_1.tolist() == [[[False, False, True, True]]]
     assert attention_mass_captured(attn, only_1).item() == pytest.approx(0.4)
     # the top-2 tokens hold 0.8; page 1 holds 0.3 of it
@@ -222,7 +220,8 @@ def test_policies_summarize_batches_of_pages_that_concatenate_and_score_like_the
     full_mask = torch.zeros(1, 2, 4, 8, dtype=torch.bool)
     full_mask[:, :, :3, :4] = m1
     full_mask[:, :, 3] = True
-    want = combine_group(exact_page_log_mass(q[:, :, 0], full_keys, full_mask, d**-0.5), 2)
+    exact = exact_page_log_mass(q[:, :, 0], full_keys, full_mask, d**-0.5)  # (B, Hq, P)
+    want = combine_gqa(exact.reshape(1, 2, 2, -1))
     assert got.shape == (1, 2, 4)
     assert torch.allclose(got, want, atol=1e-4)
     chosen = policy.select(ctx, 0.5)

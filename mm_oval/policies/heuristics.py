@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..kernels import page_score_quest
 from .base import (
     IMAGE,
     PAD,
@@ -25,6 +26,7 @@ from .base import (
     register_eviction,
     register_retrieval,
 )
+from .page_summaries import key_bounds
 
 # ---- attention rows, chunked ----------------------------------------------------------------------
 
@@ -254,25 +256,14 @@ class FastV(EvictionPolicy):
 class Quest(RetrievalPolicy):
     """Quest (Tang et al. 2024): per page and channel, the min and max key; a page's score for query q is
     the upper bound `scale * sum_c max(q_c min_c, q_c max_c)`; the query heads of a KV head are combined
-    as log(mean_g softmax_pages(score_g)) (the kernels' convention)."""
+    as log(mean_g softmax_pages(score_g)). Both are the page_score_quest kernel's (mm_oval.kernels)."""
 
     name = "quest"
 
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
-        m = pages.mask.unsqueeze(-1)
-        k = pages.keys.float()
-        kmin = k.masked_fill(~m, float("inf")).amin(-2)
-        kmax = k.masked_fill(~m, float("-inf")).amax(-2)
-        empty = ~pages.mask.any(-1, keepdim=True)
-        return {"kmin": kmin.masked_fill(empty, 0.0), "kmax": kmax.masked_fill(empty, 0.0)}
+        kmin, kmax = key_bounds(pages.keys, pages.mask)
+        return {"kmin": kmin, "kmax": kmax}
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
-        G = ctx.num_kv_groups
-        q = ctx.query[:, :, -1].float()  # (B, Hq, D)
-        kmin = ctx.summaries["kmin"].repeat_interleave(G, dim=1)  # (B, Hq, P, D)
-        kmax = ctx.summaries["kmax"].repeat_interleave(G, dim=1)
-        qe = q.unsqueeze(2)
-        raw = torch.maximum(qe * kmin, qe * kmax).sum(-1) * ctx.scaling  # (B, Hq, P)
-        ok = (ctx.page_len > 0).repeat_interleave(G, dim=1)
-        p = torch.softmax(raw.masked_fill(~ok, float("-inf")), dim=-1).nan_to_num(0.0)
-        return group_reduce(p, G).log()
+        q = ctx.query[:, :, -1]  # (B, Hq, D): the newest query row
+        return page_score_quest(q, ctx.summaries["kmin"], ctx.summaries["kmax"], ctx.page_len, ctx.scaling)
