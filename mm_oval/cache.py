@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import kernels
 from .config import OvalConfig
 from .errors import ConfigError, DataError
 from .pages import gather_pages, layout_pages
@@ -275,7 +276,6 @@ class PagedLayer(CacheLayerMixin):
             lay = layout_pages(keep, *args)
         src = lay.src.clamp(min=0)
         ok = lay.src >= 0
-        idx = src.unsqueeze(-1).expand(*src.shape, D)
         exp = lambda t: t.unsqueeze(1).expand(B, H, N)  # noqa: E731
         # per-slot facts of the prompt slots (decode slots are all valid text at consecutive positions)
         self._p_pos = torch.where(ok, exp(info.positions).gather(-1, src), -1)
@@ -290,8 +290,7 @@ class PagedLayer(CacheLayerMixin):
         self.all_valid = bool(ok.all())  # no empty slot: decode may skip the mask
         # storage with room to grow (decode writes in place; `keys` etc. are views of the used part)
         self._alloc(L0 + self._room(L0), keys.dtype, keys.device, B, H, D)
-        self._k[:, :, :L0] = keys.gather(2, idx) * ok.unsqueeze(-1)
-        self._v[:, :, :L0] = values.gather(2, idx) * ok.unsqueeze(-1)
+        self._k[:, :, :L0], self._v[:, :, :L0] = kernels.compact_kv(keys, values, torch.where(ok, lay.src, -1))
         self._valid[..., :L0] = ok
         self._page[..., :L0] = lay.slot_page
         self._pstart[..., :P0], self._plen[..., :P0] = lay.page_start, lay.page_len
