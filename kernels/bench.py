@@ -73,6 +73,12 @@ def _time_cpu(fn: Callable[[], object], reps: int) -> float:
     return min(times)
 
 
+def _timing(device: torch.device, dtype: torch.dtype) -> tuple[bool, Callable[..., float], int]:
+    """(on CUDA, the timer for this device, bytes per element of dtype)."""
+    cuda = device.type == "cuda"
+    return cuda, _time_cuda if cuda else _time_cpu, torch.finfo(dtype).bits // 8
+
+
 def _row(table, impl, b, n, f, seconds, nbytes, cuda) -> Row:
     gbps = nbytes / seconds / 1e9
     return Row(
@@ -100,10 +106,8 @@ def bench_sparse_decode(args, device: torch.device, dtype: torch.dtype) -> list[
     """Decode attention, one token per sequence, reading a fraction of the pages."""
     from mm_oval import kernels as K
 
-    cuda = device.type == "cuda"
-    timer = _time_cuda if cuda else _time_cpu
+    cuda, timer, esize = _timing(device, dtype)
     H, Hkv, D, ps = args.heads, args.kv_heads, args.head_dim, args.page_size
-    esize = torch.finfo(dtype).bits // 8
     g = torch.Generator().manual_seed(0)
     try:
         from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
@@ -182,9 +186,8 @@ def bench_lowrank_score(args, device: torch.device, dtype: torch.dtype) -> list[
     """LOCKS / OVAL page scoring of every page (rank 8)."""
     from mm_oval import kernels as K
 
-    cuda, timer = device.type == "cuda", _time_cuda if device.type == "cuda" else _time_cpu
+    cuda, timer, esize = _timing(device, dtype)
     H, Hkv, D, ps, R = args.heads, args.kv_heads, args.head_dim, args.page_size, 8
-    esize = torch.finfo(dtype).bits // 8
     rows = []
     for B, N in _other_shapes(args):
         P = N // ps
@@ -203,9 +206,8 @@ def bench_quest_score(args, device: torch.device, dtype: torch.dtype) -> list[Ro
     """Quest page scoring of every page."""
     from mm_oval import kernels as K
 
-    cuda, timer = device.type == "cuda", _time_cuda if device.type == "cuda" else _time_cpu
+    cuda, timer, esize = _timing(device, dtype)
     H, Hkv, D, ps = args.heads, args.kv_heads, args.head_dim, args.page_size
-    esize = torch.finfo(dtype).bits // 8
     rows = []
     for B, N in _other_shapes(args):
         P = N // ps
@@ -223,9 +225,8 @@ def bench_compact(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
     """Compaction of a quarter of the tokens after eviction."""
     from mm_oval import kernels as K
 
-    cuda, timer = device.type == "cuda", _time_cuda if device.type == "cuda" else _time_cpu
+    cuda, timer, esize = _timing(device, dtype)
     Hkv, D = args.kv_heads, args.head_dim
-    esize = torch.finfo(dtype).bits // 8
     rows = []
     for B, N in _other_shapes(args):
         k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
@@ -243,9 +244,8 @@ def bench_kvp(args, device: torch.device, dtype: torch.dtype) -> list[Row]:
     widths and the bundled agents' 24 extra features."""
     from mm_oval import kernels as K
 
-    cuda, timer = device.type == "cuda", _time_cuda if device.type == "cuda" else _time_cpu
+    cuda, timer, esize = _timing(device, dtype)
     Hkv, D = args.kv_heads, args.head_dim
-    esize = torch.finfo(dtype).bits // 8
     rows = []
     for B, N in _other_shapes(args):
         if B != 1:

@@ -15,6 +15,30 @@ def last_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def program_block(H, BLOCK: tl.constexpr):
+    """For a grid (B * H, blocks of BLOCK): this program's flat (batch, head) index, its batch (int64, so
+    that batch offsets do not overflow) and head, and the offsets of its block along the second axis."""
+    pid_bh = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    return pid_bh, (pid_bh // H).to(tl.int64), pid_bh % H, offs
+
+
+@triton.jit
+def query_row(Q, b, stride_qb, stride_qh, row, offs_d, d_mask):
+    """Query head `row` of batch b of a (B, Hq, D) decode query, in fp32."""
+    return tl.load(Q + b * stride_qb + row * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+
+
+def raw_page_scores(q: torch.Tensor, num_kv_heads: int, num_pages: int, scale: float | None):
+    """What a page-scoring launch starts from: (G, the softmax scale, an fp32 (B, Hkv, G, P) buffer for the
+    per-query-head scores that combine_gqa_triton turns into the op's result)."""
+    B, Hq, D = q.shape
+    G = Hq // num_kv_heads
+    raw = torch.empty((B, num_kv_heads, G, num_pages), dtype=torch.float32, device=q.device)
+    return G, D**-0.5 if scale is None else scale, raw
+
+
+@triton.jit
 def _combine_gqa_kernel(
     RAW,
     OUT,

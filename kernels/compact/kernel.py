@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.triton_utils import last_contiguous, program_block
+
 
 @triton.jit
 def _compact_kernel(
@@ -34,10 +36,7 @@ def _compact_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_bh, b, h, offs_m = program_block(H, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     idx = tl.load(IDX + b * stride_ib + h * stride_ih + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
@@ -66,8 +65,8 @@ def compact_kv_triton(
     B, H, _, D = k.shape
     M = index.shape[-1]
     C = M if capacity is None else capacity
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
+    k = last_contiguous(k)
+    v = last_contiguous(v)
     index = index.contiguous()
     k_out = torch.empty((B, H, C, D), dtype=k.dtype, device=k.device)
     v_out = torch.empty((B, H, C, D), dtype=v.dtype, device=v.device)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.triton_utils import last_contiguous, program_block
 from .naive import LN_EPS, KVPWeights
 
 
@@ -143,10 +144,7 @@ def _kvp_kernel(
     BLOCK_X: tl.constexpr,
     BLOCK_EX: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_bh, b, h, offs_n = program_block(H, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_EP)
     offs_f = tl.arange(0, BLOCK_F)
@@ -297,8 +295,8 @@ def kvp_score_triton(
     E, EP, L, F = weights.sizes
     X = weights.extra_width
     w = weights.to(device=keys.device, dtype=torch.float32).contiguous()
-    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
-    values = values if values.stride(-1) == 1 else values.contiguous()
+    keys = last_contiguous(keys)
+    values = last_contiguous(values)
     positions = positions.to(torch.int32).contiguous()
     out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)
     if N == 0:

@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import combine_gqa_triton, last_contiguous
+from ..common.triton_utils import (
+    combine_gqa_triton,
+    last_contiguous,
+    program_block,
+    query_row,
+    raw_page_scores,
+)
 
 
 @triton.jit
@@ -51,10 +57,7 @@ def _lowrank_raw_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h = pid_bh % Hkv
-    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pid_bh, b, h, offs_p = program_block(Hkv, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, BLOCK_T)
     offs_r = tl.arange(0, BLOCK_R)
@@ -91,9 +94,7 @@ def _lowrank_raw_kernel(
     ).to(tl.float32)  # (BLOCK_P, BLOCK_T, BLOCK_R)
 
     for g in tl.static_range(G):
-        qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=d_mask, other=0.0).to(
-            tl.float32
-        )
+        qg = query_row(Q, b, stride_qb, stride_qh, h * G + g, offs_d, d_mask)
         qmu = tl.sum(mu * qg[None, :], 1)  # (BLOCK_P,)
         qv = tl.sum(basis * qg[None, :, None], 1)  # (BLOCK_P, BLOCK_R)
         qvc = tl.sum(coef * qv[:, None, :], 2)  # (BLOCK_P, BLOCK_T)
@@ -115,15 +116,13 @@ def page_score_lowrank_triton(
     page_len: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    B, Hq, D = q.shape
+    B, _, D = q.shape
     Hkv, P, T, R = mu.shape[1], mu.shape[2], coef.shape[3], coef.shape[4]
-    G = Hq // Hkv
-    scale = D**-0.5 if scale is None else scale
+    G, scale, raw = raw_page_scores(q, Hkv, P, scale)
+    if P == 0:
+        return combine_gqa_triton(raw)
     q, mu, basis, coef = (last_contiguous(x) for x in (q, mu, basis, coef))
     page_len = page_len.to(torch.int32).contiguous()
-    raw = torch.empty((B, Hkv, G, P), dtype=torch.float32, device=q.device)
-    if P == 0:
-        return raw.new_empty((B, Hkv, 0))
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_R = triton.next_power_of_2(R)
     BLOCK_T = triton.next_power_of_2(T)

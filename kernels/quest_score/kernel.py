@@ -12,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_utils import combine_gqa_triton, last_contiguous
+from ..common.triton_utils import (
+    combine_gqa_triton,
+    last_contiguous,
+    program_block,
+    query_row,
+    raw_page_scores,
+)
 
 
 @triton.jit
@@ -40,10 +46,7 @@ def _quest_raw_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h = pid_bh % Hkv
-    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pid_bh, b, h, offs_p = program_block(Hkv, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     p_mask = offs_p < P
     d_mask = offs_d < D
@@ -60,9 +63,7 @@ def _quest_raw_kernel(
         other=0.0,
     ).to(tl.float32)
     for g in tl.static_range(G):
-        qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=d_mask, other=0.0).to(
-            tl.float32
-        )
+        qg = query_row(Q, b, stride_qb, stride_qh, h * G + g, offs_d, d_mask)
         s = tl.sum(tl.maximum(kmin * qg[None, :], kmax * qg[None, :]), 1) * scale
         s = tl.where(length > 0, s, float("-inf"))
         tl.store(RAW + ((pid_bh * G + g) * P) + offs_p, s, mask=p_mask)
@@ -75,15 +76,13 @@ def page_score_quest_triton(
     page_len: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    B, Hq, D = q.shape
+    B, _, D = q.shape
     Hkv, P = kmin.shape[1], kmin.shape[2]
-    G = Hq // Hkv
-    scale = D**-0.5 if scale is None else scale
+    G, scale, raw = raw_page_scores(q, Hkv, P, scale)
+    if P == 0:
+        return combine_gqa_triton(raw)
     q, kmin, kmax = (last_contiguous(x) for x in (q, kmin, kmax))
     page_len = page_len.to(torch.int32).contiguous()
-    raw = torch.empty((B, Hkv, G, P), dtype=torch.float32, device=q.device)
-    if P == 0:
-        return raw.new_empty((B, Hkv, 0))
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_P = max(1, min(triton.next_power_of_2(P), 4096 // BLOCK_D))
     _quest_raw_kernel[(B * Hkv, triton.cdiv(P, BLOCK_P))](

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.triton_utils import last_contiguous
+
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
@@ -191,9 +193,9 @@ def sparse_paged_decode_triton(
     scale = D**-0.5 if scale is None else scale
     out_dtype = q.dtype
     q = q.to(k_cache.dtype)  # tl.dot wants one input dtype: the query takes the cache's
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
-    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    q = last_contiguous(q)
+    k_cache = last_contiguous(k_cache)
+    v_cache = last_contiguous(v_cache)
     page_start = page_start.to(torch.int32).contiguous()
     page_len = page_len.to(torch.int32).contiguous()
     page_idx = page_idx.to(torch.int32).contiguous()
