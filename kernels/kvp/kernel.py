@@ -7,7 +7,9 @@ a first pass over E-chunks accumulates each row's LayerNorm statistics, a second
 chunk, normalises it and immediately multiplies it into the first MLP layer (split along its input
 rows). Agents with extra per-token features (modality, image grid, relative position) add one more
 small branch, LN_e(x @ we + be) @ w1x, from the (B, N, X) features shared by the heads. The F-wide
-hidden row is held whole (BLOCK_N x F fp32). Reference: naive.py; weight layout: docs/kernels.md.
+hidden row is held whole (BLOCK_N x F fp32). With the agents' precomputed position table
+(`KVPWeights.pos_term`) the position branch is one F-wide row load per token. Reference: naive.py;
+weight layout: docs/kernels.md.
 """
 
 from __future__ import annotations
