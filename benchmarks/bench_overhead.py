@@ -38,7 +38,9 @@ from mm_oval.policies.base import (
     DecodeContext,
     PageBatch,
     PrefillContext,
+    RequestState,
     Rope,
+    StepState,
     make_eviction,
     make_retrieval,
 )
@@ -104,7 +106,7 @@ def pages_of(keys, values, mod, rc, embeds, module):
     kind = torch.where(torch.arange(P) < n_tiles, IMAGE, TEXT).to(torch.int8)
     kind = kind.to(keys.device).expand(B, H, P).contiguous()
     batch = PageBatch(layer_idx=0, keys=k, values=v, mask=mask, kind=kind, first_page=0, module=module,
-                      token_index=token_index, extra={"inputs_embeds": embeds})  # fmt: skip
+                      token_index=token_index, request=RequestState(inputs_embeds=embeds))  # fmt: skip
     page_len = mask.sum(-1)
     page_start = page_len.cumsum(-1) - page_len
     return batch, page_start, page_len, kind
@@ -286,18 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {name: pol.summarize(pages) for name, pol in retrieval.items()}
     hidden_last = torch.randn(1, s["hidden"], generator=g).to(device)
 
-    def select(name, layer_idx=0, extra=None):
+    def select(name, layer_idx=0, step=None):
         ctx = DecodeContext(
             layer_idx=layer_idx, query=query1.float(), summaries=summaries[name], page_start=page_start,
             page_len=page_len, page_kind=kind, candidates=cand, scaling=attn.scaling, module=attn,
-            extra=extra if extra is not None else {"last_hidden": hidden_last},
+            step=step if step is not None else StepState(last_hidden=hidden_last),
         )  # fmt: skip
         return retrieval[name].select(ctx, args.read_budget)
 
     def router_step():  # one decode step: the text state once, then every layer
-        extra = {"last_hidden": hidden_last}
+        step = StepState(last_hidden=hidden_last)
         for li in range(s["layers"]):
-            select("router", li, extra)
+            select("router", li, step)
 
     kvzip_prepass, kvzip_scoring = kvzip_jobs(layer, cfg, rope, x, pe, g)
     jobs = {

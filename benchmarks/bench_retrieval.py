@@ -43,7 +43,7 @@ import mm_oval
 from mm_oval.cache import request_info
 from mm_oval.config import OvalConfig
 from mm_oval.pages import layout_pages
-from mm_oval.policies.base import IMAGE, PAD, DecodeContext, PageBatch, make_retrieval
+from mm_oval.policies.base import IMAGE, PAD, DecodeContext, PageBatch, RequestState, make_retrieval
 from mm_oval.stats import get_stats
 from mm_oval.training.router import zoo_prompts
 
@@ -180,7 +180,7 @@ def quality(
                     0,
                     module,
                     token_index=tok_idx,
-                    extra={"inputs_embeds": box["embeds"]},
+                    request=RequestState(inputs_embeds=box["embeds"]),
                 )
                 summaries = {name: pol.summarize(batch) for name, pol in policies.items()}
                 kk = k.repeat_interleave(group, dim=1)[0]  # (Hq, total, D)

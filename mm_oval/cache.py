@@ -2,21 +2,34 @@
 policy chose at the end of prefill, laid out in pages, and attend at decode over all of them or over the
 pages a retrieval policy picks.
 
-How it plugs into an unmodified model: `update` (called by the attention module just before its
-attention function) stores the new keys/values and leaves a note (`_PENDING`) for the attention function
-that mm-oval registered (`mm_oval.wrapper`). That function runs the model's own attention during prefill,
-then calls `PagedLayer.finish_prefill` (eviction + pages); at decode it calls `PagedLayer.attend`.
+How it plugs into an unmodified model (the attention hand-off, the one place it is described):
+1. the attention module calls `cache.update(keys, values, layer_idx)` just before its attention function;
+   the layer (`PagedLayer.update`) stores the new keys/values and leaves itself in `_PENDING`, a context
+   variable, for that attention function;
+2. the attention function mm-oval registered (`mm_oval.wrapper`, `mm_oval_<inner>`) picks the layer up
+   with `take_pending(module.layer_idx)` (None: this forward is not through a `PagedMultimodalCache`, e.g.
+   a policy's own pass with a `DynamicCache`, and the model's own attention runs unchanged);
+3. prefill (`layer.phase == "prefill"`): the model's own attention runs over the whole prompt, then
+   `layer.finish_prefill(query, module, scaling)` scores the tokens with the eviction policy, keeps the
+   budget's top, lays the kept tokens out in pages and summarises them for the retrieval policy;
+4. decode: `layer.attend(query, scaling)` is exact attention over the kept slots (with retrieval, over the
+   pages `read_pages` selects plus the always-read ones), the model's attention function is not called.
 `get_seq_length()` is the logical length (prompt + generated), which `generate` uses to slice the inputs;
 RoPE positions come from the attention mask and stay the original ones.
+
+What the policies read besides keys and values comes from the cache's typed state (`mm_oval.core`):
+`cache.request` (a `RequestState`, per request) and `cache.step` (a `StepState`, per forward), set by the
+wrapped model's hooks (`mm_oval.wrapper`) and by the policies themselves.
 """
 
 from __future__ import annotations
 
 import contextvars
+import copy
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,24 +37,26 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels
 from .config import OvalConfig
-from .errors import ConfigError, DataError
-from .pages import gather_pages, layout_pages
-from .policies.base import (
+from .core import (
     IMAGE,
     PAD,
     TEXT,
     DecodeContext,
-    EvictionPolicy,
     PageBatch,
     PrefillContext,
-    RetrievalPolicy,
+    RequestState,
     Rope,
+    StepState,
     budget_count,
-    make_eviction,
-    make_retrieval,
     topk_mask,
 )
+from .errors import ConfigError, DataError
+from .pages import gather_pages, layout_pages
 from .policies.budgets import Allocation, check_policy, pyramid_counts, shared_head_keep
+from .registry import make_eviction, make_retrieval
+
+if TYPE_CHECKING:
+    from .policies.base import EvictionPolicy, RetrievalPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +238,7 @@ class PagedLayer(CacheLayerMixin):
         valid = (info.modality != PAD).unsqueeze(1).expand(B, H, N)
         keep = valid
         policy = owner.eviction
-        hidden = self.__dict__.pop("_prefill_hidden", None)  # the attention input, kept when asked for
+        hidden = owner.step.attention_inputs.pop(self.layer_idx, None)  # kept when the policy asks for it
         if policy is not None and cfg.evicts:
             if policy.needs_hidden_states and hidden is None:
                 raise ConfigError(
@@ -240,9 +255,8 @@ class PagedLayer(CacheLayerMixin):
                 image_rc=info.image_rc,
                 scaling=scaling,
                 module=module,
-                extra=owner.extra,
                 chunk_size=cfg.chunk_size,
-                request_state=owner.request_state,
+                request=owner.request,
                 hidden_states=hidden if policy.needs_hidden_states else None,
                 rope=owner.rope,
             )
@@ -269,9 +283,9 @@ class PagedLayer(CacheLayerMixin):
             cfg.text_page_size,
         )
         if keep is valid:  # nothing evicted: every layer has the same layout, built once per request
-            lay = owner.extra.get("_full_layout")
+            lay = owner.request.full_layout
             if lay is None or lay.src.shape[1] != H:
-                lay = owner.extra["_full_layout"] = layout_pages(keep, *args)
+                lay = owner.request.full_layout = layout_pages(keep, *args)
         else:
             lay = layout_pages(keep, *args)
         src = lay.src.clamp(min=0)
@@ -386,7 +400,7 @@ class PagedLayer(CacheLayerMixin):
             first_page=first,
             module=self.module,
             token_index=src,
-            extra=self.owner.extra,
+            request=self.owner.request,
         )
         new = self.owner.retrieval.summarize(batch)
         for name, t in new.items():
@@ -434,7 +448,7 @@ class PagedLayer(CacheLayerMixin):
             self._grow(L + q)
         self._k[:, :, L : L + q] = k
         self._v[:, :, L : L + q] = v
-        new_valid = getattr(self.owner, "new_valid", None)  # (B, q) bool when the new tokens hold padding
+        new_valid = self.owner.step.new_valid  # (B, q) bool when the new tokens hold padding
         if new_valid is not None and new_valid.shape == (k.shape[0], q):
             self._valid[..., L : L + q] = new_valid.unsqueeze(1)
             self.all_valid = False
@@ -473,7 +487,7 @@ class PagedLayer(CacheLayerMixin):
             candidates=cand,
             scaling=scaling,
             module=self.module,
-            extra=owner.step_extra,
+            step=owner.step,
         )
         chosen = owner.retrieval.select(ctx, owner.config.read_budget) & cand
         owner.counters["candidate_pages"] += cand.sum()
@@ -508,8 +522,6 @@ class PagedLayer(CacheLayerMixin):
         H = self.keys.shape[1]
         G = Hq // H
         if q == 1 and self.owner.use_kernels(query):
-            from . import kernels
-
             pages = self.read_pages(query, scaling)
             read = (self.page_len > 0) if pages is None else pages
             P = read.shape[-1]
@@ -560,11 +572,9 @@ class PagedMultimodalCache(Cache):
         self.eviction = eviction
         self.retrieval = retrieval
         self.info: RequestInfo | None = None
-        self.extra: dict[str, Any] = {}  # per request, shared by the layers' eviction calls
-        self.request_state: Any = None  # what the eviction policy's prepare_request returned
+        self.request = RequestState()  # what the request carries from layer to layer, step to step
+        self.step = StepState()  # the forward now running (prefill or a decode step)
         self.rope: Rope | None = None  # the text model's RoPE, set by the wrapped model before prefill
-        self.new_valid: torch.Tensor | None = None  # (B, Q): which of the tokens being fed are not padding
-        self.step_extra: dict[str, Any] = {}  # per decode step, for retrieval policies (e.g. last_hidden)
         self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0}  # tensors once counted
         self.kernels: bool | None = None  # decode through mm_oval.kernels; None = on CUDA only
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
@@ -591,12 +601,9 @@ class PagedMultimodalCache(Cache):
             self.config.sink_tokens,
             self.config.recent_tokens,
         )
-        self.extra = {}
 
     def copy(self) -> PagedMultimodalCache:
         """An independent copy (e.g. to ask several questions about one compressed image)."""
-        import copy
-
         # share what is not per-request state: the model's modules and the policies
         memo: dict[int, Any] = {id(self.eviction): self.eviction, id(self.retrieval): self.retrieval}
         for layer in self.layers:

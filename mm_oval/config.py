@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .registry import check_spec, is_retrieval_only
 
 SCOPES = ("image", "all")
 HEAD_BUDGETS = ("uniform", "shared")
@@ -80,8 +81,6 @@ class OvalConfig:
         if not isinstance(self.method_options, dict) or not isinstance(self.retrieval_options, dict):
             raise ConfigError("method_options and retrieval_options must be dicts")
         if self.method != "full":  # a budget shared by the heads needs a scorer whose scores allow it
-            from .policies.budgets import check_spec
-
             check_spec(self.method, self.method_options, self.head_budget)
 
     @property
@@ -122,7 +121,7 @@ class OvalConfig:
                 raise ConfigError(f"{key!r} is given twice in method spec {spec!r}; give each key once")
             (fields if key in names else options)[key] = _parse_value(raw.strip())
         name = name.strip()
-        if _is_retrieval_only(name):
+        if is_retrieval_only(name):
             # a retrieval method named alone ("oval", "quest", ...): keep the whole cache resident and read
             # `budget` of the candidate pages per decode step (the budget axis of page retrieval)
             fields.setdefault("retrieval", name)
@@ -143,13 +142,6 @@ class OvalConfig:
         fields.setdefault("method_options", {})
         fields["method_options"] = {**fields["method_options"], **options}
         return cls(method=name, **fields)
-
-
-def _is_retrieval_only(name: str) -> bool:
-    from .policies.base import EVICTION_REGISTRY, RETRIEVAL_REGISTRY, _load_builtin_policies
-
-    _load_builtin_policies()
-    return name in RETRIEVAL_REGISTRY and name not in EVICTION_REGISTRY and name != "full"
 
 
 def field_names() -> list[str]:

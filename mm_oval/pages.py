@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .policies.base import IMAGE, PAD, TEXT
+from .core import IMAGE, PAD, TEXT
 
 
 @dataclass

@@ -8,9 +8,11 @@ Two kinds of memory figures, side by side:
 - allocated (`allocated_bytes`): every tensor the cache and the method hold at the end of the request,
   each storage counted once (views share storage), by kind: `kv` (key/value storage including padding to
   the longest head and the preallocated decode slots), `summaries` (page summaries of retrieval methods),
-  `metadata` (slot and page tables, positions, the request's token facts), `method_state` (the prompt's
-  `inputs_embeds` kept for retrieval, per-request and per-step policy state, the policies' own tensors such
-  as learned weights and cached tables); `allocated_vs_plain` divides the total by `plain_cache_bytes`,
+  `metadata` (slot and page tables, positions, the request's token facts, the cache's own layout and
+  padding mask in its request and step state), `method_state` (the prompt's `inputs_embeds` kept for
+  retrieval, the rest of the request's and step's state (`cache.request`, `cache.step`: what the eviction
+  policy's request pass returned, FastV's ranking, KVP's log-partition, the last hidden state), the
+  policies' own tensors such as learned weights and cached tables); `allocated_vs_plain` divides the total by `plain_cache_bytes`,
   what a plain Hugging Face `DynamicCache` holds for the same request (keys and values of every prompt
   position, padding included, and of every token fed after it).
 """
@@ -95,12 +97,15 @@ def allocated_bytes(cache: Any) -> dict[str, int]:
     for layer in layers:
         skip = ("owner", "module", "summaries", *_KV_ATTRS)
         c.add("metadata", {k: v for k, v in vars(layer).items() if k not in skip})
-    skip = ("layers", "config", "eviction", "retrieval", "extra", "step_extra")
+    skip = ("layers", "config", "eviction", "retrieval", "request", "step")
     c.add("metadata", {k: v for k, v in vars(cache).items() if k not in skip})
-    extra = getattr(cache, "extra", None) or {}
-    c.add("metadata", {k: v for k, v in extra.items() if k.startswith("_")})  # the cache's own (layouts)
-    c.add("method_state", {k: v for k, v in extra.items() if not k.startswith("_")})
-    c.add("method_state", getattr(cache, "step_extra", None))
+    request, step = getattr(cache, "request", None), getattr(cache, "step", None)
+    if request is not None:  # the cache's own layout is metadata; the rest is the methods' state
+        c.add("metadata", request.full_layout)
+        c.add("method_state", {k: v for k, v in vars(request).items() if k != "full_layout"})
+    if step is not None:  # which new tokens are padding is the cache's; the hidden states the methods'
+        c.add("metadata", step.new_valid)
+        c.add("method_state", {k: v for k, v in vars(step).items() if k != "new_valid"})
     for policy in (getattr(cache, "eviction", None), getattr(cache, "retrieval", None)):
         if policy is not None:
             c.add("method_state", list(policy.state_tensors()))

@@ -3,17 +3,32 @@
 What wrapping changes, and `unwrap` restores:
 - the language model's attention implementation becomes `mm_oval_<inner>` (e.g. `mm_oval_sdpa`): the
   model's own attention function (`inner`) during prefill, then eviction; the cache's exact attention over
-  the kept (and, with retrieval, selected) slots at decode. The vision tower is untouched;
-- `model.generate` builds a fresh cache per call and then calls Hugging Face's `generate`;
-- forward hooks prepare the cache from `input_ids` (modality, positions, image rows/cols), time prefill
-  and decode, and hand the last hidden state to retrieval policies. Prefill time covers the vision tower
-  and projector: Hugging Face's `generate` encodes the images before the first forward, so for a
-  `generate` call the prefill clock starts when the request starts.
+  the kept (and, with retrieval, selected) slots at decode (the hand-off: `mm_oval.cache`'s docstring).
+  The vision tower is untouched;
+- `model.generate` becomes an instance attribute, `_generate` below, so that `model.generate(**inputs)`
+  works unchanged for users: it refuses beam search and a cache of another kind, builds a fresh
+  `PagedMultimodalCache` (unless one is passed as `cache=`), begins the request (`_begin_request`: the
+  image check, the request's clock, the eviction policy's own pass over the prompt), calls the class's
+  `generate` with `cache=` that cache, and records the request's stats when it returns or raises. (A
+  generate cannot be given a fresh cache of its own kind otherwise: Hugging Face builds a DynamicCache.)
+  `unwrap` deletes the attribute and the class's `generate` shows again;
+- forward hooks, each finding the cache in the forward's own arguments (`cache=` / `past_key_values=`):
+  on the model, one before each forward (`_pre_forward`: prepares the cache from `input_ids` at prefill,
+  begins the step in `cache.step`: phase, clock, padding of the new tokens) and one after
+  (`_post_forward`: the step's time; the stats of a request not run by `generate`); on the language
+  model, one before (the prompt's `inputs_embeds`, when the retrieval policy needs them) and one after
+  (the last token's final hidden state, when the retrieval policy needs it); on each attention module,
+  one before (the layer's attention input during prefill, when the eviction policy reads hidden states).
+Prefill time covers the vision tower and projector: Hugging Face's `generate` encodes the images before the
+first forward, so the prefill clock starts when the request begins.
+
+One request, top to bottom: `generate` (or `prefill`) -> `_begin_request` -> the prefill forward
+(`_pre_forward` prepares the cache; each layer's attention evicts and pages; `_post_forward`) -> one
+forward per decode step (`_pre_forward`, each layer's `attend`, `_post_forward`) -> the stats, once.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import sys
@@ -26,12 +41,14 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
+from .core import Rope
 from .errors import ConfigError, DataError, ModelError
-from .policies.base import Rope, make_eviction, make_retrieval
 from .policies.budgets import check_policy
+from .registry import make_eviction, make_retrieval
 from .stats import cache_stats
 
 logger = logging.getLogger(__name__)
@@ -80,10 +97,7 @@ def _tokens_per_image(model: Any) -> int:
 
 def _eager_of(module: Any):
     mod = sys.modules.get(type(module).__module__)
-    fn = getattr(mod, "eager_attention_forward", None)
-    if fn is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
-    return fn
+    return getattr(mod, "eager_attention_forward", None) or llama_eager_attention
 
 
 def _make_attention(inner: str):
@@ -133,65 +147,54 @@ def _check_images(input_ids: torch.Tensor, pixel_values: Any, image_token_id: in
 
 
 def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
+    """Before each forward through the cache: at prefill, prepare the cache for the prompt (beginning the
+    request first when no `generate` / `prefill` did); then begin the step (phase, clock, padding)."""
     state: WrapState = model._mm_oval
     cache = _cache_from_kwargs(kwargs)
     if not isinstance(cache, PagedMultimodalCache):
         return
-    model._mm_oval_cache_box["cache"] = cache  # for the hooks inside this forward
     input_ids = kwargs.get("input_ids", args[0] if args else None)
+    am = kwargs.get("attention_mask")
     if cache.get_seq_length() == 0:
         if input_ids is None:
             raise ConfigError(
                 "mm-oval needs input_ids (not inputs_embeds) to know which tokens are image tokens"
             )
-        _check_images(
-            input_ids, kwargs.get("pixel_values"), model.config.image_token_id, state.tokens_per_image
-        )
-        cache.prepare(
-            input_ids, kwargs.get("attention_mask"), model.config.image_token_id, state.tokens_per_image
-        )
-        cache.rope = state.rope
-        cache._phase_now = "prefill"
-    else:
-        cache._phase_now = "decode"
-        # padding inside the new tokens (a batch of conversations whose next turns differ in length)
-        am = kwargs.get("attention_mask")
-        new_valid = None
-        if isinstance(am, torch.Tensor) and am.dim() == 2 and isinstance(input_ids, torch.Tensor):
-            tail = am[:, -input_ids.shape[1] :].bool()
-            new_valid = None if bool(tail.all()) else tail
-        cache.new_valid = new_valid
+        if cache.request.started is None:  # a plain forward: the request begins here
+            _begin_request(model, cache, input_ids, kwargs, policy_pass=False)
+        cache.prepare(input_ids, am, model.config.image_token_id, state.tokens_per_image)
+        _sync(input_ids)
+        cache.step.begin("prefill", cache.request.started)
+        return
+    # padding inside the new tokens (a batch of conversations whose next turns differ in length)
+    new_valid = None
+    if isinstance(am, torch.Tensor) and am.dim() == 2 and isinstance(input_ids, torch.Tensor):
+        tail = am[:, -input_ids.shape[1] :].bool()
+        new_valid = None if bool(tail.all()) else tail
     _sync(input_ids)
-    started = cache.__dict__.pop("_t_request", None)  # set by generate: the images were encoded before
-    cache._t0 = started if started is not None and cache._phase_now == "prefill" else time.perf_counter()
+    cache.step.begin("decode", time.perf_counter(), new_valid)
 
 
 def _post_forward(model: Any, args: tuple, kwargs: dict, output: Any) -> None:
     cache = _cache_from_kwargs(kwargs)
-    model._mm_oval_cache_box["cache"] = None
-    if not isinstance(cache, PagedMultimodalCache) or getattr(cache, "_t0", None) is None:
+    if not isinstance(cache, PagedMultimodalCache) or cache.step.started is None:
         return
     _sync(getattr(output, "logits", None))
-    dt = time.perf_counter() - cache._t0
-    cache._t0 = None
-    if cache._phase_now == "prefill":
-        cache.timings["prefill_s"] += dt
-    else:
+    step = cache.step
+    dt = time.perf_counter() - step.started
+    step.started = None
+    if step.phase == "decode":
         cache.timings["decode_s"] += dt
         cache.timings["decode_steps"] += 1
         return
-    model._mm_oval.last_stats = cache_stats(cache)
+    cache.timings["prefill_s"] += dt
+    if not cache.request.run_by_generate:  # generate records them once, when it ends
+        model._mm_oval.last_stats = cache_stats(cache)
 
 
 def _sync(t: Any) -> None:
     if isinstance(t, torch.Tensor) and t.is_cuda:
         torch.cuda.synchronize(t.device)
-
-
-def _norm_hook(cache_box: dict, module: Any, args: tuple, output: Any) -> None:
-    cache = cache_box.get("cache")
-    if cache is not None and cache.retrieval is not None and isinstance(output, torch.Tensor):
-        cache.step_extra["last_hidden"] = output[:, -1].detach()
 
 
 def _attn_pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
@@ -202,21 +205,29 @@ def _attn_pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
         return
     if not cache.eviction.needs_hidden_states:
         return
-    layer = cache.layers[module.layer_idx]
-    if layer.phase == "empty":  # this forward is the layer's prefill
-        layer._prefill_hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if cache.layers[module.layer_idx].phase == "empty":  # this forward is the layer's prefill
+        cache.step.attention_inputs[module.layer_idx] = kwargs.get("hidden_states", args[0] if args else None)
 
 
-def _lm_pre_hook(cache_box: dict, module: Any, args: tuple, kwargs: dict) -> None:
-    cache = cache_box.get("cache")
+def _lm_pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
+    """The prompt's input embeddings (image features merged in), for a retrieval policy that needs them."""
+    cache = _cache_from_kwargs(kwargs)
+    if not isinstance(cache, PagedMultimodalCache) or cache.retrieval is None:
+        return
     embeds = kwargs.get("inputs_embeds")
-    if (
-        cache is not None
-        and cache.retrieval is not None
-        and embeds is not None
-        and cache.get_seq_length() == 0
-    ):
-        cache.extra["inputs_embeds"] = embeds.detach()
+    if cache.retrieval.needs_inputs_embeds and embeds is not None and cache.get_seq_length() == 0:
+        cache.request.inputs_embeds = embeds.detach()
+
+
+def _lm_post_hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    """The last token's final hidden state (after the last norm), read at the next decode step by a
+    retrieval policy that needs it."""
+    cache = _cache_from_kwargs(kwargs)
+    if not isinstance(cache, PagedMultimodalCache) or cache.retrieval is None:
+        return
+    hidden = getattr(output, "last_hidden_state", None)
+    if cache.retrieval.needs_last_hidden and isinstance(hidden, torch.Tensor):
+        cache.step.last_hidden = hidden[:, -1].detach()
 
 
 def new_cache(model: Any) -> PagedMultimodalCache:
@@ -226,6 +237,7 @@ def new_cache(model: Any) -> PagedMultimodalCache:
 
 
 def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """The wrapped model's `generate` (see the module docstring): Hugging Face's, over a fresh cache."""
     state = _state(model)
     if kwargs.get("num_beams", 1) not in (None, 1):
         raise ConfigError("beam search is not supported by mm-oval's cache; use greedy or sampling")
@@ -235,22 +247,15 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
     elif not isinstance(cache, PagedMultimodalCache):
         raise ConfigError("a wrapped model generates with mm-oval's cache: do not pass another cache")
     input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if isinstance(input_ids, torch.Tensor) and cache.get_seq_length() == 0:
-        _check_images(
-            input_ids, kwargs.get("pixel_values"), model.config.image_token_id, state.tokens_per_image
-        )
     kwargs.pop("past_key_values", None)
     kwargs["cache"] = cache
-    if cache.get_seq_length() == 0:
-        # the prefill clock starts here: generate runs the vision tower and projector before the forward
-        _sync(input_ids)
-        cache._t_request = time.perf_counter()
+    cache.request.run_by_generate = True
     try:
-        if cache.get_seq_length() == 0:
-            _prepare_request(model, cache, input_ids, kwargs)
+        if isinstance(input_ids, torch.Tensor) and cache.get_seq_length() == 0:
+            _begin_request(model, cache, input_ids, kwargs)
         return model._mm_oval_generate(*args, **kwargs)
     finally:
-        cache.__dict__.pop("_t_request", None)
+        cache.request.run_by_generate = False
         if cache.info is not None:
             state.last_stats = cache_stats(cache)
 
@@ -264,31 +269,29 @@ def prefill(model: Any, **inputs: Any) -> PagedMultimodalCache:
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         inputs.setdefault("logits_to_keep", 1)
     with torch.no_grad():
-        _prepare_request(model, cache, inputs.get("input_ids"), inputs)
-        model(**inputs, cache=cache, use_cache=True)
+        if isinstance(inputs.get("input_ids"), torch.Tensor):
+            _begin_request(model, cache, inputs["input_ids"], inputs)
+        model(**inputs, cache=cache, use_cache=True)  # its stats: `_post_forward`, after this prefill
     return cache
 
 
-def _prepare_request(model: Any, cache: PagedMultimodalCache, input_ids: Any, kwargs: dict) -> None:
-    """Once per request, before the prefill forward: the eviction policy's own pass over the prompt (KVzip's
-    context reconstruction), kept in `cache.request_state`. Its time counts as prefill time."""
+def _begin_request(
+    model: Any, cache: PagedMultimodalCache, input_ids: torch.Tensor, kwargs: dict, policy_pass: bool = True
+) -> None:
+    """Once per request, before its prefill forward: check the images against the prompt (the only check),
+    start the request's clock and, with `policy_pass`, run the eviction policy's own pass over the prompt
+    (KVzip's context reconstruction; its time counts as prefill time), kept in `cache.request.prepared`."""
     state = _state(model)
-    policy = state.eviction
-    if policy is None or not state.config.evicts or not isinstance(input_ids, torch.Tensor):
-        return
-    if not policy.has_request_pass:  # nothing to prepare (a delegating policy answers for its scorer)
-        return
     pixel_values = kwargs.get("pixel_values")
     _check_images(input_ids, pixel_values, model.config.image_token_id, state.tokens_per_image)
-    if "_t_request" not in cache.__dict__:
-        _sync(input_ids)
-        cache._t_request = time.perf_counter()
-    cache.request_state = policy.prepare_request(
-        model,
-        input_ids,
-        kwargs.get("attention_mask"),
-        pixel_values,
-        chunk_size=state.config.chunk_size,
+    _sync(input_ids)
+    cache.request.started = time.perf_counter()
+    cache.rope = state.rope
+    policy = state.eviction
+    if not policy_pass or policy is None or not state.config.evicts or not policy.has_request_pass:
+        return  # nothing to prepare (a delegating policy answers for its scorer)
+    cache.request.prepared = policy.prepare_request(
+        model, input_ids, kwargs.get("attention_mask"), pixel_values, chunk_size=state.config.chunk_size
     )
 
 
@@ -324,27 +327,18 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     state.rope = Rope(rotary) if rotary is not None else None
     lm.config._attn_implementation = _register(inner)
     model._mm_oval = state
-    model._mm_oval_cache_box = {"cache": None}
     model._mm_oval_generate = model.generate
     model.generate = types.MethodType(_generate, model)
     state.hooks = [
         model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
         model.register_forward_hook(_post_forward, with_kwargs=True),
+        lm.register_forward_pre_hook(_lm_pre_hook, with_kwargs=True),
+        lm.register_forward_hook(_lm_post_hook, with_kwargs=True),
     ]
-    state.hooks.append(
-        lm.register_forward_pre_hook(
-            functools.partial(_lm_pre_hook, model._mm_oval_cache_box), with_kwargs=True
-        )
-    )
     for layer in lm.layers:
         attn = getattr(layer, "self_attn", None)
         if attn is not None and getattr(attn, "layer_idx", None) is not None:
             state.hooks.append(attn.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))
-    norm = getattr(lm, "norm", None)
-    if norm is not None:
-        state.hooks.append(
-            norm.register_forward_hook(functools.partial(_norm_hook, model._mm_oval_cache_box))
-        )
     logger.info("wrapped %s: %s", type(model).__name__, config)
     return model
 
@@ -359,6 +353,6 @@ def unwrap(model: Any) -> Any:
     for h in state.hooks:
         h.remove()
     del model.generate  # the instance attribute; the class's generate shows again
-    for attr in ("_mm_oval", "_mm_oval_cache_box", "_mm_oval_generate"):
+    for attr in ("_mm_oval", "_mm_oval_generate"):
         delattr(model, attr)
     return model

@@ -339,7 +339,7 @@ def test_the_wrappers_hand_the_cache_everything_their_scorer_asks_for(tiny_rando
 
         def score(self, ctx):
             assert ctx.queries is not None and ctx.hidden_states is not None
-            assert ctx.request_state == {"n": ctx.keys.shape[2]}
+            assert ctx.request.prepared == {"n": ctx.keys.shape[2]}
             calls["score"] = calls.get("score", 0) + 1
             return ctx.keys.float().norm(dim=-1) + self.bias
 

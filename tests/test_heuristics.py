@@ -8,7 +8,15 @@ import torch
 from PIL import Image
 
 import mm_oval
-from mm_oval.policies.base import EVICTION_REGISTRY, IMAGE, PAD, TEXT, PrefillContext, make_eviction
+from mm_oval.policies.base import (
+    EVICTION_REGISTRY,
+    IMAGE,
+    PAD,
+    TEXT,
+    PrefillContext,
+    RequestState,
+    make_eviction,
+)
 from mm_oval.policies.heuristics import attention_rows, column_sums
 from mm_oval.stats import get_stats
 from mm_oval.wrapper import prefill
@@ -101,11 +109,11 @@ def test_attention_based_baselines_use_the_rows_they_publish():
 
 def test_fastv_ranks_image_tokens_once_at_its_layer_and_drops_them_above():
     fv = make_eviction("fastv", layer=1)
-    extra: dict = {}
+    request = RequestState()  # one request: FastV's ranking passes from its layer to the later ones
     scores = []
     for layer in range(3):
         ctx = _ctx(seed=layer)
-        ctx.layer_idx, ctx.extra = layer, extra
+        ctx.layer_idx, ctx.request = layer, request
         scores.append(fv.score(ctx))
     assert [fv.keep_layer_unchanged(i) for i in range(3)] == [True, True, False]
     ctx1 = _ctx(seed=1)

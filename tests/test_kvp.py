@@ -186,7 +186,7 @@ def test_policy_is_registered_and_returns_per_head_normalised_scores(tmp_path):
     assert torch.equal(s[0].argsort(-1), raw[0].argsort(-1))
     # decode tokens are scored on the prefill's scale
     new = policy.score_tokens(
-        0, ctx.keys[:, :, -1:], ctx.values[:, :, -1:], ctx.positions[:, -1:], mod[:, -1:], extra=ctx.extra
+        0, ctx.keys[:, :, -1:], ctx.values[:, :, -1:], ctx.positions[:, -1:], mod[:, -1:], request=ctx.request
     )
     assert new.shape == (2, 2, 1)
 

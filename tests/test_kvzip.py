@@ -17,6 +17,7 @@ from mm_oval.config import OvalConfig
 from mm_oval.errors import ConfigError
 from mm_oval.policies.base import IMAGE, TEXT, PrefillContext, make_eviction
 from mm_oval.policies.kvzip import KVzip, KVzipRequest, reconstruction_scores
+from mm_oval.training.router import new_router
 from mm_oval.wrapper import prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,7 +153,7 @@ def test_hand_worked_choice_differs_from_snapkv_and_keydiff():
     z = math.exp(5) + math.exp(2.5) + 1 + math.exp(-5) + 1 + 1
     expected = torch.tensor([math.exp(5), math.exp(2.5), 1.0, math.exp(-5), 1.0]) / z
     torch.testing.assert_close(s.view(5), expected)
-    ctx.request_state = KVzipRequest(scores=[s], chunks=1)
+    ctx.request.prepared = KVzipRequest(scores=[s], chunks=1)
     chosen = {
         name: int(make_eviction(name, **opts).score(ctx).view(5)[:4].argmax())
         for name, opts in (("kvzip", {}), ("snapkv", {"window": 1, "kernel": 1}), ("keydiff", {}))
@@ -178,7 +179,7 @@ def test_budgets_are_exact_in_the_wrapped_model(tiny_random_llava, inputs, tok, 
             kept_by[method] = [layer._p_src.clone() for layer in cache.layers]
             if method != "kvzip":
                 continue
-            assert isinstance(cache.request_state, KVzipRequest)
+            assert isinstance(cache.request.prepared, KVzipRequest)
             H = cache.layers[0].keys.shape[1]
             for layer in cache.layers:
                 kept = layer.slot_valid.sum(-1)  # (B, Hkv)
@@ -229,14 +230,14 @@ def test_model_is_left_as_it_was_and_keeping_everything_equals_the_full_model(ti
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         mm_oval.wrap(
-            model, method="kvzip", budget=10_000, text_budget=10_000, retrieval="quest",
-            method_options={"tokenizer": tok},
+            model, method="kvzip", budget=10_000, text_budget=10_000, retrieval="router",
+            method_options={"tokenizer": tok}, retrieval_options={"router": new_router(model)},
         )  # fmt: skip
         attn = lm.config._attn_implementation
         hooks = [dict(m._forward_pre_hooks) | dict(m._forward_hooks) for m in model.modules()]
         cache = prefill(model, **inputs)
-        assert isinstance(cache.request_state, KVzipRequest)
-        assert cache.extra["inputs_embeds"].shape[1] == inputs["input_ids"].shape[1]
+        assert isinstance(cache.request.prepared, KVzipRequest)
+        assert cache.request.inputs_embeds.shape[1] == inputs["input_ids"].shape[1]
         assert lm.config._attn_implementation == attn
         assert hooks == [dict(m._forward_pre_hooks) | dict(m._forward_hooks) for m in model.modules()]
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
@@ -264,7 +265,7 @@ def test_compress_image_reconstructs_the_prompt_head(tiny_random_llava, inputs, 
             method_options={"tokenizer": tok},
         )
         cache = prefill(model, **head)
-        assert cache.request_state.scores[0].shape == (1, 2, ends)
+        assert cache.request.prepared.scores[0].shape == (1, 2, ends)
         kept_img = ((cache.layers[0].slot_mod == IMAGE) & cache.layers[0].slot_valid).sum(-1)
         assert kept_img.eq(16).all()
         seq = model.generate(
@@ -313,6 +314,6 @@ def test_score_without_its_prepass_is_a_clear_error():
     )  # fmt: skip
     with pytest.raises(ConfigError, match="mm_oval.wrapper.prefill"):
         make_eviction("kvzip").score(ctx)
-    ctx.request_state = KVzipRequest(scores=[torch.rand(1, 2, 6)], chunks=1)
+    ctx.request.prepared = KVzipRequest(scores=[torch.rand(1, 2, 6)], chunks=1)
     keep = choose_kept(make_eviction("kvzip").score(ctx), info, OvalConfig(method="kvzip", text_budget=2))
     assert keep.sum(-1).eq(2).all()

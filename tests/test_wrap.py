@@ -12,9 +12,11 @@ from PIL import Image
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import mm_oval
+from mm_oval import wrapper
 from mm_oval.config import OvalConfig
 from mm_oval.errors import ConfigError, DataError, ModelError
 from mm_oval.stats import get_stats
+from mm_oval.training.router import new_router
 from mm_oval.wrapper import prefill
 
 QUESTIONS = [
@@ -262,6 +264,58 @@ def test_stats_describe_the_last_request(model_and_processor):
     assert row["image_tokens_full"] == 3 * 64 and row["image_tokens_kept"] == 3 * 16
     assert row["text_tokens_kept"] == row["text_tokens_full"]
     assert s["image_kv_fraction_kept"] == pytest.approx(0.25)
+
+
+def test_a_request_checks_its_images_and_computes_its_stats_once(model_and_processor, monkeypatch):
+    """generate, prefill and a plain forward each check the images against the prompt once and compute
+    the stats once; the request's state is in the cache's typed fields, nothing is left on the model."""
+    model, processor = model_and_processor
+    inputs = _batch(processor, 2)
+    mm_oval.wrap(model, method="snapkv", budget=0.25)
+    calls = {"images": 0, "stats": 0}
+    check, stats = wrapper._check_images, wrapper.cache_stats
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(wrapper, "_check_images", counted("images", check))
+    monkeypatch.setattr(wrapper, "cache_stats", counted("stats", stats))
+    model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert calls == {"images": 1, "stats": 1}
+    assert get_stats(model)["layers"][0]["image_tokens_kept"] == 2 * 16
+    cache = prefill(model, **inputs)
+    assert calls == {"images": 2, "stats": 2}
+    assert (cache.step.phase, cache.step.started, cache.step.new_valid) == ("prefill", None, None)
+    assert cache.request.started is not None and cache.timings["prefill_s"] > 0
+    cache = wrapper.new_cache(model)
+    with torch.no_grad():
+        model(**inputs, cache=cache, use_cache=True)
+    assert calls == {"images": 3, "stats": 3}
+    assert not [
+        a for a in vars(model) if a.startswith("_mm_oval") and a not in ("_mm_oval", "_mm_oval_generate")
+    ]
+
+
+def test_the_wrapper_keeps_only_what_the_configured_policies_read(model_and_processor):
+    """No hidden states, embeddings or final hidden state for a method that reads none of them; the
+    router's (embeddings, last hidden state) when it is configured."""
+    model, processor = model_and_processor
+    inputs = _batch(processor, 1)
+    mm_oval.wrap(model, method="snapkv", budget=0.25, retrieval="quest", read_budget=0.5)
+    cache = prefill(model, **inputs)
+    assert cache.request.inputs_embeds is None and cache.step.last_hidden is None
+    assert cache.step.attention_inputs == {}
+    torch.manual_seed(0)
+    mm_oval.wrap(model, retrieval="router", read_budget=0.5, retrieval_options={"router": new_router(model)})
+    cache = prefill(model, **inputs)
+    B, N = inputs["input_ids"].shape
+    hidden = model.config.text_config.hidden_size
+    assert cache.request.inputs_embeds.shape == (B, N, hidden)
+    assert cache.step.last_hidden.shape == (B, hidden)
 
 
 def test_prefill_time_covers_the_vision_tower(model_and_processor, monkeypatch):

@@ -31,11 +31,11 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError
+from ..registry import load_builtin_policies, register_spec_check
 from .base import (
     EVICTION_REGISTRY,
     EvictionPolicy,
     PrefillContext,
-    _load_builtin_policies,
     make_eviction,
     register_eviction,
     topk_mask,
@@ -335,7 +335,7 @@ def check_spec(method: str, options: dict[str, Any], head_budget: str) -> None:
     refused; so is adakv with head_budget="shared" (the heads' budget would be shared twice)."""
     if method == "full":
         return
-    _load_builtin_policies()
+    load_builtin_policies()
     wrappers, scorer, _ = _chain(method, options)
     adakv = any(issubclass(c, AdaKV) for c in wrappers)
     if adakv and head_budget == "shared":
@@ -352,3 +352,6 @@ def check_policy(policy: EvictionPolicy | None, head_budget: str) -> None:
     """The built policy's check (e.g. KVP's agents known): head_budget="shared" needs comparable scores."""
     if policy is not None and head_budget == "shared":
         check_comparable(policy, "head_budget=shared")
+
+
+register_spec_check(check_spec)  # the configuration runs it for every eviction spec

@@ -239,10 +239,10 @@ class FastV(EvictionPolicy):
         B, H, N, _ = ctx.keys.shape
         if ctx.layer_idx == self.layer:
             a = attention_rows(ctx, torch.tensor([N - 1], device=ctx.keys.device))[:, :, 0].mean(1)  # (B, N)
-            ctx.extra["fastv_rank"] = a.masked_fill(ctx.modality != IMAGE, 0.0)
+            ctx.request.fastv_rank = a.masked_fill(ctx.modality != IMAGE, 0.0)
         if ctx.layer_idx <= self.layer:
             return torch.zeros(B, H, N, device=ctx.keys.device)
-        rank = ctx.extra.get("fastv_rank")
+        rank = ctx.request.fastv_rank
         if rank is None:
             raise ConfigError(f"fastv: layer={self.layer} is not a layer of this model")
         return _per_kv_head(ctx, rank.masked_fill(ctx.modality == PAD, 0.0))

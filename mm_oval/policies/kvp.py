@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelError
-from .base import EvictionPolicy, PrefillContext, register_eviction
+from .base import EvictionPolicy, PrefillContext, RequestState, register_eviction
 from .kvp_agents import KVPAgentConfig, KVPAgents
 from .kvp_io import BUNDLED_AGENTS, LoadedAgents, bundled_agents_path, load_agents, save_agents
 from .signature import check_signature, model_signature, probe_from_attention, probe_matches
@@ -55,7 +55,7 @@ class KVPPolicy(EvictionPolicy):
     trained with `joint_heads` (one scale across a layer's heads: a budget shared by the heads, AdaKV or
     `head_budget="shared"`, accepts them), per-head log-softmax normalised otherwise (refused there:
     `comparable_across_heads`). `score_tokens` scores tokens arriving during decode on the same
-    scale (normalised by the prefill's per-head log-partition, kept in ctx.extra)."""
+    scale (normalised by the prefill's per-head log-partition, kept in ctx.request)."""
 
     name = "kvp"
     needs_queries = False
@@ -143,7 +143,7 @@ class KVPPolicy(EvictionPolicy):
         if self.agents.config.joint_heads:  # already on one scale across the layer's heads
             return raw
         lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # padding is -inf and drops out
-        ctx.extra.setdefault("kvp_log_partition", {})[ctx.layer_idx] = lse
+        ctx.request.kvp_log_partition[ctx.layer_idx] = lse
         return raw - lse
 
     @torch.no_grad()
@@ -155,13 +155,13 @@ class KVPPolicy(EvictionPolicy):
         positions: torch.Tensor,
         modality: torch.Tensor,
         image_rc: torch.Tensor | None = None,
-        extra: dict | None = None,
+        request: RequestState | None = None,
     ) -> torch.Tensor:
         """Scores of tokens arriving after prefill (decode): keys/values (B, Hkv, T, D), positions and
-        modality (B, T) -> (B, Hkv, T), on the scale of that layer's prefill scores when `extra` is the
-        request's ctx.extra. Relative-position features see the new tokens as the prompt's most recent."""
+        modality (B, T) -> (B, Hkv, T), on the scale of that layer's prefill scores when `request` is the
+        request's ctx.request. Relative-position features see the new tokens as the prompt's most recent."""
         if image_rc is None:
             image_rc = torch.full((*positions.shape, 3), -1, dtype=torch.long, device=positions.device)
         raw = self.agents.score_layer(layer_idx, keys, values, positions, modality, image_rc)
-        lse = (extra or {}).get("kvp_log_partition", {}).get(layer_idx)
+        lse = request.kvp_log_partition.get(layer_idx) if request is not None else None
         return raw - lse if lse is not None else raw

@@ -45,6 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import AttentionInterface, AutoTokenizer, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import ConfigError, ModelError
 from .base import EvictionPolicy, PrefillContext, register_eviction
@@ -121,8 +124,6 @@ _ACTIVE: contextvars.ContextVar[_Chunk | None] = contextvars.ContextVar("mm_oval
 
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     chunk = _ACTIVE.get()
     if chunk is not None and query.shape[2] == chunk.row_ok.shape[1]:
@@ -137,10 +138,6 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def _register_capture() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     if CAPTURE_ATTN not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(CAPTURE_ATTN, _capture_attention)
     if CAPTURE_ATTN not in ALL_MASK_ATTENTION_FUNCTIONS:
@@ -216,8 +213,6 @@ class KVzip(EvictionPolicy):
                 "from a folder: pass method option tokenizer=<folder or hub id of its tokenizer> "
                 "(e.g. 'kvzip:tokenizer=/path/to/model')"
             )
-        from transformers import AutoTokenizer
-
         try:
             tok = AutoTokenizer.from_pretrained(str(source))
         except (OSError, ValueError) as e:
@@ -246,8 +241,6 @@ class KVzip(EvictionPolicy):
         *,
         chunk_size: int = 512,
     ) -> KVzipRequest:
-        from transformers import DynamicCache
-
         if self._ids is None:
             self.bind(model)
         repeat_ids, continue_ids, suffix_ids = self._ids
@@ -352,7 +345,7 @@ class KVzip(EvictionPolicy):
 
     # ---- the seam -------------------------------------------------------------------------------------
     def score(self, ctx: PrefillContext) -> torch.Tensor:
-        state = ctx.request_state
+        state = ctx.request.prepared
         if not isinstance(state, KVzipRequest):
             raise ConfigError(
                 "kvzip scores come from its pass over the request's prompt, which did not run: prefill through "

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import ConfigError, DataError, ModelError
@@ -246,7 +248,6 @@ class HybridRouter(nn.Module):
 
 def save_router(router: HybridRouter, out_dir: str | Path) -> Path:
     """Write router.safetensors and router.json into out_dir (each atomically)."""
-    from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -266,7 +267,6 @@ def save_router(router: HybridRouter, out_dir: str | Path) -> Path:
 
 def load_router(path: str | Path, model: Any = None) -> HybridRouter:
     """Load a router directory; with `model`, check it was trained for that model (ModelError otherwise)."""
-    from safetensors.torch import load_file
 
     d = Path(path)
     cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
@@ -274,7 +274,6 @@ def load_router(path: str | Path, model: Any = None) -> HybridRouter:
         raise DataError(
             f"{d}: not a router directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); train one with `mm-oval train-router`"
         )
-    from safetensors import SafetensorError
 
     try:
         raw = json.loads(cfg_path.read_text())
@@ -340,10 +339,12 @@ def pool_page_content(
 class RouterRetrieval(RetrievalPolicy):
     """Learned page retrieval. Options: `weights` (a router directory; default: the bundled tiny LLaVA's).
 
-    Needs from the cache: `PageBatch.token_index` and the prompt's `inputs_embeds` in `PageBatch.extra`
-    (page contents), and `DecodeContext.extra["last_hidden"]` (the previous token's final hidden state)."""
+    Needs from the cache: `PageBatch.token_index` and the prompt's `inputs_embeds` in `PageBatch.request`
+    (page contents), and `DecodeContext.step.last_hidden` (the previous token's final hidden state)."""
 
     name: ClassVar[str] = "router"
+    needs_inputs_embeds: ClassVar[bool] = True  # page contents pool the prompt's input embeddings
+    needs_last_hidden: ClassVar[bool] = True  # the previous token's final hidden state routes
 
     def __init__(
         self,
@@ -394,13 +395,12 @@ class RouterRetrieval(RetrievalPolicy):
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
         self._check_layer(pages)
         token_index = getattr(pages, "token_index", None)
-        extra = getattr(pages, "extra", None) or {}
-        embeds = extra.get("inputs_embeds")
+        embeds = pages.request.inputs_embeds
         kind = pages.kind
         if embeds is None or token_index is None:
             if bool((kind == IMAGE).any()):  # image pages always come from the prompt: they need content
                 raise ConfigError(
-                    "the router needs page contents: PageBatch.token_index and extra['inputs_embeds'] "
+                    "the router needs page contents: PageBatch.token_index and request.inputs_embeds "
                     "(the prompt's input embeddings); this cache does not provide them"
                 )
             content = torch.zeros(*kind.shape, self.router.config.hidden_size, device=pages.keys.device)
@@ -413,10 +413,10 @@ class RouterRetrieval(RetrievalPolicy):
         return {"route_emb": emb, "route_k": k, "route_v": v}
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
-        hidden = ctx.extra.get("last_hidden")
+        hidden = ctx.step.last_hidden
         if hidden is None:
             raise ConfigError(
-                "the router needs DecodeContext.extra['last_hidden'] (the previous token's hidden state)"
+                "the router needs DecodeContext.step.last_hidden (the previous token's hidden state)"
             )
         emb = ctx.summaries["route_emb"]
         if hidden.shape[-1] != self.router.config.hidden_size:
@@ -426,8 +426,8 @@ class RouterRetrieval(RetrievalPolicy):
             )
         with torch.no_grad():
             # the text state depends on the step only: the first layer computes it, the others reuse it
-            cached = ctx.extra.get("router_text_state")
+            cached = ctx.step.router_text_state
             if cached is None or cached[0] is not hidden:
-                cached = ctx.extra["router_text_state"] = (hidden, self.router.text_state(hidden))
+                cached = ctx.step.router_text_state = (hidden, self.router.text_state(hidden))
             kv = (ctx.summaries["route_k"], ctx.summaries["route_v"]) if "route_k" in ctx.summaries else None
             return self.router(hidden, emb, ctx.page_kind, ctx.page_len > 0, ctx.layer_idx, kv, cached[1])

@@ -1,0 +1,222 @@
+"""The types shared by storage (`mm_oval.cache`, `mm_oval.pages`) and the methods (`mm_oval.policies`):
+modality codes, the model's RoPE, what a cache hands a policy (`PrefillContext`, `PageBatch`,
+`DecodeContext`), the typed state of one request and one step, and the budget arithmetic both use.
+It sits below both: it imports neither.
+
+State a policy reads or writes lives in two objects owned by the cache, never in string-keyed dicts:
+- `RequestState` (`cache.request`): one per request, shared by the layers' prefill and by every decode
+  step: the prompt's `inputs_embeds`, what the eviction policy's `prepare_request` returned, the state a
+  policy passes from one layer to the next (FastV's ranking, KVP's per-layer log-partition), the cache's
+  own layout when nothing is evicted, and when the request's clock started;
+- `StepState` (`cache.step`): one forward through the wrapped model (the prefill, or one decode step):
+  its phase, when its clock started, which of the tokens fed are padding, each layer's attention input
+  when the eviction policy reads hidden states, and the previous token's final hidden state (with the
+  router's text state computed from it).
+The wrapper fills only what the configured policies declare they need (`EvictionPolicy.needs_queries`,
+`needs_hidden_states`; `RetrievalPolicy.needs_inputs_embeds`, `needs_last_hidden`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from .errors import ConfigError
+
+# modality codes used everywhere (cache, policies, stats)
+TEXT, IMAGE, PAD = 0, 1, -1
+
+Phase = Literal["idle", "prefill", "decode"]
+
+
+@dataclass
+class RequestState:
+    """What one request (a batch of prompts) carries from layer to layer and step to step. Owned by its
+    `PagedMultimodalCache` (`cache.request`); a `cache.copy()` copies it."""
+
+    # (B, N, hidden) the prompt's input embeddings (after the image features are merged in), kept when the
+    # retrieval policy sets `needs_inputs_embeds` (the router pools them into page contents)
+    inputs_embeds: torch.Tensor | None = None
+    # what the eviction policy's `prepare_request` returned (KVzip's reconstruction scores), or None
+    prepared: Any = None
+    # (B, N) FastV's ranking of the image tokens, computed at its layer and read by the later ones
+    fastv_rank: torch.Tensor | None = None
+    # layer -> (B, Hkv, 1): KVP's per-head log-partition of the prefill scores (decode scores on that scale)
+    kvp_log_partition: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the cache's page layout when nothing is evicted (every layer the same, built once per request)
+    full_layout: Any = None
+    # `time.perf_counter()` when the request started (before the vision tower and the policy's own pass)
+    started: float | None = None
+    # True while the wrapped model's `generate` runs the request: it computes the stats once, at its end
+    run_by_generate: bool = False
+
+
+@dataclass
+class StepState:
+    """One forward through the wrapped model: the prefill, or one decode step (one new token, or a later
+    turn's tokens). Owned by the cache (`cache.step`); the wrapper's hooks set it at the forward's start
+    (`begin`) and read its clock at the end."""
+
+    phase: Phase = "idle"
+    # `time.perf_counter()` when this forward's clock started (the prefill's: when the request started)
+    started: float | None = None
+    # (B, Q) bool: which of the Q tokens fed are not padding (a batch of later turns of unequal length);
+    # None when none is padding
+    new_valid: torch.Tensor | None = None
+    # layer -> (B, N, hidden): the layer's attention input during prefill (after its input norm), kept when
+    # the eviction policy sets `needs_hidden_states`; the layer takes it when its prefill finishes
+    attention_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (B, hidden): the final hidden state (after the last norm) of the last token of the previous forward,
+    # i.e. of the token fed now; kept when the retrieval policy sets `needs_last_hidden`
+    last_hidden: torch.Tensor | None = None
+    # the router's text state of `last_hidden` (computed by the first layer of a step, reused by the others)
+    router_text_state: Any = None
+
+    def begin(self, phase: Phase, started: float, new_valid: torch.Tensor | None = None) -> None:
+        """A new forward: its phase, clock and padding; `last_hidden` (the previous forward's) stays."""
+        self.phase, self.started, self.new_valid = phase, started, new_valid
+        self.attention_inputs = {}
+        self.router_text_state = None
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The text model's rotary position embedding, for any positions: `rotary_emb(x, position_ids)` is the
+    model's own module (e.g. `LlamaRotaryEmbedding`, `model.model.language_model.rotary_emb`), returning
+    cos, sin of shape (B, M, D) with the halves convention of transformers' `rotate_half`. Shared, never
+    copied (a `cache.copy()` keeps pointing at the model's module)."""
+
+    rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    # the module is the served model's: the stats' allocated bytes do not count its buffers as the method's
+    part_of_served_model: ClassVar[bool] = True
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, M) long positions (padding's -1 read as 0) -> cos, sin, each (B, M, D) fp32."""
+        x = torch.zeros(1, dtype=torch.float32, device=positions.device)
+        cos, sin = self.rotary_emb(x, positions.clamp(min=0).long())
+        return cos.float(), sin.float()
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """RoPE of `x` (B, H, M, D) at `positions` (B, M), in fp32; `inverse=True` undoes it (the
+        queries or keys as they were before RoPE)."""
+        cos, sin = self.cos_sin(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x = x.float()
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos - rot * sin if inverse else x * cos + rot * sin
+
+    def __deepcopy__(self, memo: dict) -> Rope:
+        return self
+
+
+@dataclass
+class PrefillContext:
+    """Everything a policy may read about one layer's prompt, for one batch. Shapes:
+    B batch, Hq query heads, Hkv KV heads, N prompt tokens (left padding included), D head dim."""
+
+    layer_idx: int
+    keys: torch.Tensor  # (B, Hkv, N, D), after RoPE, as cached
+    values: torch.Tensor  # (B, Hkv, N, D)
+    queries: torch.Tensor | None  # (B, Hq, N, D) after RoPE; None when the policy did not ask for them
+    positions: torch.Tensor  # (B, N) original (RoPE) positions; padding has -1
+    modality: torch.Tensor  # (B, N) int8: TEXT, IMAGE or PAD
+    image_rc: torch.Tensor  # (B, N, 3) long: (image index, row, col) for image tokens, -1 elsewhere
+    scaling: float  # the attention's softmax scale
+    module: Any = None  # the attention module (o_proj etc.), for policies that need the layer's weights
+    chunk_size: int = 512  # query rows per chunk when a policy computes attention rows
+    hidden_states: torch.Tensor | None = None  # (B, N, hidden): the attention module's input (after the
+    # layer's input norm), as kvpress's `score(module, hidden_states, ...)` gets it; None unless the policy
+    # sets `needs_hidden_states`
+    rope: Rope | None = None  # the text model's RoPE (cos, sin for any positions, e.g. future ones)
+    request: RequestState = field(default_factory=RequestState)  # the request's state, shared by
+    # the layers (what `prepare_request` returned, state a policy passes from one layer to the next)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.modality != PAD
+
+    @property
+    def num_kv_groups(self) -> int:
+        assert self.queries is not None
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    def prerope_queries(self) -> torch.Tensor:
+        """(B, Hq, N, D) fp32: the layer's queries before RoPE, formed from `hidden_states` with the attention
+        module's `q_proj` (and `q_norm` where the model has one), as kvpress forms them."""
+        if self.hidden_states is None or self.module is None or not hasattr(self.module, "q_proj"):
+            raise ConfigError(
+                "this method forms queries from the layer's hidden states: set needs_hidden_states = True "
+                "and run it inside a model wrapped with mm_oval.wrap (a Llama-style attention with q_proj)"
+            )
+        B, N, _ = self.hidden_states.shape
+        q = self.module.q_proj(self.hidden_states).view(B, N, -1, self.module.head_dim).transpose(1, 2)
+        norm = getattr(self.module, "q_norm", None)
+        return (norm(q) if norm is not None else q).float()
+
+
+@dataclass
+class PageBatch:
+    """Pages of one layer (all KV heads), handed to `RetrievalPolicy.summarize` when they close: after
+    prefill (every prompt page) and during decode (each text page that fills up). Shapes: P pages in
+    this batch, T = the longest page. Page `j` here is entry `first_page + j` of the layer's page table."""
+
+    layer_idx: int
+    keys: torch.Tensor  # (B, Hkv, P, T, D) after RoPE; rows past a page's length are 0
+    values: torch.Tensor  # (B, Hkv, P, T, D)
+    mask: torch.Tensor  # (B, Hkv, P, T) bool, True for real tokens
+    kind: torch.Tensor  # (B, Hkv, P) int8: TEXT, IMAGE or PAD (an empty page slot of a shorter head)
+    first_page: int
+    module: Any = None  # the layer's attention module (o_proj, num_key_value_groups, head_dim)
+    token_index: torch.Tensor | None = None  # (B, Hkv, P, T) long: prompt index of each token, -1 past a
+    # page's length and for generated tokens
+    request: RequestState = field(default_factory=RequestState)  # the request's state:
+    # `inputs_embeds` (B, N, hidden) of the prompt when the retrieval policy sets `needs_inputs_embeds`
+
+    @property
+    def lengths(self) -> torch.Tensor:  # (B, Hkv, P) long
+        return self.mask.sum(-1)
+
+
+@dataclass
+class DecodeContext:
+    """What a retrieval policy sees at one decode step of one layer. P = pages in the layer's table."""
+
+    layer_idx: int
+    query: torch.Tensor  # (B, Hq, Q, D) after RoPE (Q = 1 at decode; more when a later turn is fed in)
+    summaries: dict[str, torch.Tensor]  # what `summarize` returned, concatenated over pages: (B, Hkv, P, ...)
+    page_start: torch.Tensor  # (B, Hkv, P) long, first slot of each page in the head's storage
+    page_len: torch.Tensor  # (B, Hkv, P) long, 0 for an empty slot
+    page_kind: torch.Tensor  # (B, Hkv, P) int8
+    candidates: torch.Tensor  # (B, Hkv, P) bool: pages the budget applies to (others: always / never read)
+    scaling: float
+    module: Any = None
+    step: StepState = field(default_factory=StepState)  # this step's state: `last_hidden`
+    # (B, hidden) of the previous token when the retrieval policy sets `needs_last_hidden`
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.query.shape[1] // self.page_start.shape[1]
+
+
+def topk_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per row, True for the `k` highest scores among `eligible` entries (ties: lower index first).
+    scores/eligible (..., N), k (...) long."""
+    s = scores.float().masked_fill(~eligible, float("-inf"))
+    order = s.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return (rank < k.unsqueeze(-1)) & eligible
+
+
+def budget_count(budget: float | int, n: torch.Tensor) -> torch.Tensor:
+    """Tokens kept out of `n` (a tensor of counts) for a budget: a float in (0, 1] is a fraction
+    (rounded up), an int a token count (at most n)."""
+    if isinstance(budget, bool):
+        raise ConfigError("a budget is a fraction in (0, 1] or a token count, not a bool")
+    if isinstance(budget, int):
+        return n.clamp(max=budget)
+    return torch.ceil(n.double() * budget - 1e-9).long().clamp(min=0).minimum(n)
