@@ -69,8 +69,8 @@ class StepState:
     # layer -> (B, N, hidden): the layer's attention input during prefill (after its input norm), kept when
     # the eviction policy sets `needs_hidden_states`; the layer takes it when its prefill finishes
     attention_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    # (B, hidden): the final hidden state (after the last norm) of the last token of the previous forward,
-    # i.e. of the token fed now; kept when the retrieval policy sets `needs_last_hidden`
+    # (B, hidden): the final hidden state (after the last norm) of the previous forward's last token, whose
+    # logits chose the token fed now; kept when the retrieval policy sets `needs_last_hidden`
     last_hidden: torch.Tensor | None = None
     # the router's text state of `last_hidden` (computed by the first layer of a step, reused by the others)
     router_text_state: Any = None
