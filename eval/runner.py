@@ -263,7 +263,7 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
         return sum(vals) / len(vals) if vals else None
 
     out = {
-        k: rows[0].get(k) for k in ("method", "budget", "text_budget", "scope", "retrieval", "read_budget")
+        k: rows[0].get(k) for k in ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget")
     }
     out.update(
         {

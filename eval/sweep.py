@@ -40,7 +40,7 @@ def cell_dir_name(method: str, budget: float | int | None) -> str:
 
 
 def parse_methods(values: list[str]) -> list[str]:
-    """`--methods snapkv,knorm "kvp:agents=a.safetensors,scope=all"`: commas split names only in
+    """`--methods snapkv,knorm "kvp:agents=a.safetensors,eviction_scope=all"`: commas split names only in
     arguments that carry no options (a ':' starts options, whose own commas stay)."""
     out: list[str] = []
     for v in values:

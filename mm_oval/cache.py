@@ -127,7 +127,7 @@ def choose_kept(
     num_layers: int = 1,
 ) -> torch.Tensor:
     """(B, Hkv, N) scores -> (B, Hkv, N) bool: per sample and KV head, the protected tokens plus the
-    top-scored ones, within each modality's budget (scope "image") or all together (scope "all").
+    top-scored ones, within each modality's budget (eviction_scope "image") or all together ("all").
 
     `allocation` (mm_oval.policies.budgets; default: the uniform one) divides the budget: with a PyramidKV
     schedule, `layer` of `num_layers` (the layers that evict) keeps the protected tokens plus its share of
@@ -150,7 +150,7 @@ def choose_kept(
         counts[m] = (budget_count(budget, n), p, n)
     im, tx = counts[IMAGE], counts[TEXT]
     groups = [((mod != PAD), im[0] + tx[0], im[1] + tx[1], im[2] + tx[2])]
-    if config.scope != "all":
+    if config.eviction_scope != "all":
         groups = [((mod == m), k, p, n) for m, (k, p, n) in counts.items()]
     keep = torch.zeros_like(prot)
     for eligible, k, p, n in groups:
@@ -475,7 +475,7 @@ class PagedLayer(CacheLayerMixin):
         kind = self.page_kind[..., :P_s]
         plen = self.page_len[..., :P_s]
         cand = (plen > 0) & ~self.page_pinned[..., :P_s]
-        if owner.config.retrieval_scope == "image":
+        if owner.config.read_scope == "image":
             cand &= kind == IMAGE
         ctx = DecodeContext(
             layer_idx=self.layer_idx,

@@ -1,16 +1,34 @@
-"""`OvalConfig`: every knob of the wrapped model, validated with messages that say what to do."""
+"""`OvalConfig`: every knob of the wrapped model, validated with messages that say what to do.
+
+Two kinds of knobs, kept apart:
+- what is kept after prefill (eviction): `method`, `budget` (image tokens), `text_budget`,
+  `eviction_scope` (image and text ranked separately, or together), `head_budget`;
+- what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages),
+  `read_scope` (which pages are candidates).
+A knob of one kind that the configuration cannot use is refused (a budget with method "full" keeps
+everything; a read budget without a retrieval method reads everything), never silently ignored.
+`scope` and `retrieval_scope`, the former names of the two scopes, are refused with the new names.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-from .registry import check_spec, is_retrieval_only
+from .registry import (
+    EVICTION_REGISTRY,
+    RETRIEVAL_REGISTRY,
+    check_spec,
+    is_retrieval_only,
+    load_builtin_policies,
+)
 
-SCOPES = ("image", "all")
+EVICTION_SCOPES = ("image", "all")
+READ_SCOPES = ("image", "all")
 HEAD_BUDGETS = ("uniform", "shared")
+RENAMED = {"scope": "eviction_scope", "retrieval_scope": "read_scope"}
 
 
 def _check_budget(name: str, value: Any) -> None:
@@ -33,7 +51,9 @@ class OvalConfig:
     method_options: dict[str, Any] = field(default_factory=dict)
     budget: float | int = 1.0  # image tokens kept: fraction in (0, 1] or token count
     text_budget: float | int = 1.0  # text tokens kept
-    scope: str = "image"  # "image": per-modality ranking; "all": modality-blind at the same total count
+    # "image": image and text ranked separately, each within its budget; "all": modality-blind, all prompt
+    # tokens ranked together at the same total count
+    eviction_scope: str = "image"
     # "uniform": every KV head keeps the same count; "shared": a layer's heads share Hkv x that count, ranked
     # jointly on the method's scores (AdaKV with alpha_safeguard 0; the method must declare its scores
     # comparable across heads, see mm_oval/policies/budgets.py)
@@ -43,12 +63,16 @@ class OvalConfig:
     retrieval: str | None = None
     retrieval_options: dict[str, Any] = field(default_factory=dict)
     read_budget: float = 1.0  # fraction of candidate pages read per decode step
-    retrieval_scope: str = "image"
+    read_scope: str = "image"  # candidate pages: "image" pages only (text pages always read), or "all"
     image_tile: int = 2
     text_page_size: int = 16
     chunk_size: int = 512
+    # the former names of the two scopes: refused with the new ones (not fields: never stored)
+    scope: InitVar[Any] = None
+    retrieval_scope: InitVar[Any] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, scope: Any = None, retrieval_scope: Any = None) -> None:
+        _refuse_renamed({"scope": scope, "retrieval_scope": retrieval_scope})
         self.validate()
 
     def validate(self) -> None:
@@ -56,12 +80,12 @@ class OvalConfig:
             raise ConfigError(f"method must be a method name, got {self.method!r}")
         _check_budget("budget", self.budget)
         _check_budget("text_budget", self.text_budget)
-        if self.scope not in SCOPES:
-            raise ConfigError(f"scope={self.scope!r} is not one of {SCOPES}")
+        if self.eviction_scope not in EVICTION_SCOPES:
+            raise ConfigError(f"eviction_scope={self.eviction_scope!r} is not one of {EVICTION_SCOPES}")
         if self.head_budget not in HEAD_BUDGETS:
             raise ConfigError(f"head_budget={self.head_budget!r} is not one of {HEAD_BUDGETS}")
-        if self.retrieval_scope not in SCOPES:
-            raise ConfigError(f"retrieval_scope={self.retrieval_scope!r} is not one of {SCOPES}")
+        if self.read_scope not in READ_SCOPES:
+            raise ConfigError(f"read_scope={self.read_scope!r} is not one of {READ_SCOPES}")
         for name in ("sink_tokens", "recent_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -76,12 +100,66 @@ class OvalConfig:
             or not (0.0 < float(self.read_budget) <= 1.0)
         ):
             raise ConfigError(f"read_budget={self.read_budget!r} must be a fraction in (0, 1]")
-        if self.method == "full" and self.method_options:
-            raise ConfigError("method 'full' takes no options")
         if not isinstance(self.method_options, dict) or not isinstance(self.retrieval_options, dict):
             raise ConfigError("method_options and retrieval_options must be dicts")
+        self._check_methods()
+        self._check_combination()
         if self.method != "full":  # a budget shared by the heads needs a scorer whose scores allow it
             check_spec(self.method, self.method_options, self.head_budget)
+
+    def _check_methods(self) -> None:
+        """The method names are registered ones, each of its kind."""
+        load_builtin_policies()
+        if self.method != "full" and self.method not in EVICTION_REGISTRY:
+            if is_retrieval_only(self.method):
+                raise ConfigError(
+                    f"method={self.method!r} is a retrieval method (it chooses the pages read per decode step, "
+                    f"it evicts nothing): set retrieval={self.method!r} and read_budget=..., or write the spec "
+                    f"{self.method!r} with OvalConfig.from_spec({self.method!r}, read_budget)"
+                )
+            known = ", ".join(sorted(["full", *EVICTION_REGISTRY]))
+            raise ConfigError(f"unknown eviction method {self.method!r}; known methods: {known}")
+        if self.retrieval is not None and (
+            not isinstance(self.retrieval, str) or self.retrieval not in RETRIEVAL_REGISTRY
+        ):
+            known = ", ".join(sorted(RETRIEVAL_REGISTRY))
+            raise ConfigError(f"unknown retrieval method {self.retrieval!r}; known methods: {known}")
+
+    def _check_combination(self) -> None:
+        """Knobs the configuration cannot use are refused, never ignored."""
+        if self.method == "full":
+            if self.method_options:
+                raise ConfigError("method 'full' takes no options")
+            unused = {
+                k: getattr(self, k)
+                for k, default in (
+                    ("budget", 1.0),
+                    ("text_budget", 1.0),
+                    ("eviction_scope", "image"),
+                    ("head_budget", "uniform"),
+                )
+                if getattr(self, k) != default or (k.endswith("budget") and isinstance(getattr(self, k), int))
+            }
+            if unused:
+                items = ", ".join(f"{k}={v!r}" for k, v in unused.items())
+                raise ConfigError(
+                    f"{items} set with method 'full', which keeps every token: name an eviction method "
+                    "(e.g. method='snapkv'); to read fewer pages per decode step use retrieval=... with read_budget"
+                )
+        if self.retrieval is None:
+            unused = {
+                k: getattr(self, k)
+                for k, default in (("read_budget", 1.0), ("read_scope", "image"))
+                if getattr(self, k) != default
+            }
+            if self.retrieval_options:
+                unused["retrieval_options"] = self.retrieval_options
+            if unused:
+                items = ", ".join(f"{k}={v!r}" for k, v in unused.items())
+                raise ConfigError(
+                    f"{items} set without a retrieval method, which reads every page: set retrieval=... "
+                    "(e.g. retrieval='oval')"
+                )
 
     @property
     def evicts(self) -> bool:
@@ -94,6 +172,7 @@ class OvalConfig:
         return self.method != "full" and not (keeps_all(self.budget) and keeps_all(self.text_budget))
 
     def replace(self, **changes: Any) -> OvalConfig:
+        _refuse_renamed(changes)
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ConfigError(f"unknown OvalConfig field(s) {sorted(unknown)}; known: {field_names()}")
@@ -105,7 +184,15 @@ class OvalConfig:
     @classmethod
     def from_spec(cls, spec: str, budget: float | int | None = None, **overrides: Any) -> OvalConfig:
         """Parse "name" or "name:key=value,key=value". Keys naming an OvalConfig field set it; the others
-        are the method's options. `budget` (when given) sets the image budget."""
+        are the method's options.
+
+        `budget` (when given) is the spec's budget axis, the one a sweep varies (`budget_field` names it):
+        - for an eviction method ("snapkv", "kvp:..."), the image tokens kept: it sets `budget`;
+        - for a retrieval method named alone ("oval", "quest", "router"), the whole cache stays resident and
+          `budget` is the fraction of candidate pages read per decode step: it sets `read_budget` (a
+          fraction in (0, 1]). Such a spec takes no `budget=` key (that is the eviction budget, which a
+          retrieval method does not have: write `read_budget=`), and a `read_budget=` key together with
+          the `budget` argument is refused (the read budget would be given twice)."""
         if not isinstance(spec, str) or not spec.strip():
             raise ConfigError(f"empty method spec {spec!r}; write 'name' or 'name:key=value,...'")
         name, _, rest = spec.strip().partition(":")
@@ -117,19 +204,34 @@ class OvalConfig:
             if not eq or not key.strip():
                 raise ConfigError(f"bad item {item!r} in method spec {spec!r}; write key=value")
             key = key.strip()
+            if key in RENAMED:
+                raise ConfigError(
+                    f"{key!r} in method spec {spec!r} is now called {RENAMED[key]!r}: write "
+                    f"{RENAMED[key]}={raw.strip()} ({_RENAMED_HELP})"
+                )
             if key in fields or key in options:
                 raise ConfigError(f"{key!r} is given twice in method spec {spec!r}; give each key once")
             (fields if key in names else options)[key] = _parse_value(raw.strip())
         name = name.strip()
-        if is_retrieval_only(name):
-            # a retrieval method named alone ("oval", "quest", ...): keep the whole cache resident and read
-            # `budget` of the candidate pages per decode step (the budget axis of page retrieval)
+        if budget_field(name) == "read_budget":
+            # a retrieval method named alone: keep the whole cache resident, read part of it per step
+            if "budget" in fields or "text_budget" in fields:
+                raise ConfigError(
+                    f"method spec {spec!r}: {name!r} is a retrieval method, which evicts nothing, so it has no "
+                    f"(text_)budget of kept tokens: write {name}:read_budget=... for the pages read per step, "
+                    f"or name an eviction method to evict as well (e.g. 'snapkv:retrieval={name}')"
+                )
             fields.setdefault("retrieval", name)
             options_target = fields.setdefault("retrieval_options", {})
             options_target.update(options)
             options = {}
             name = "full"
             if budget is not None:
+                if "read_budget" in fields:
+                    raise ConfigError(
+                        f"method spec {spec!r} sets read_budget and a budget of {budget!r} is given too (for "
+                        "a retrieval method the budget is the read budget): give it once"
+                    )
                 if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
                     raise ConfigError(
                         f"retrieval method {spec!r} takes a read budget in (0, 1], got {budget!r}"
@@ -142,6 +244,27 @@ class OvalConfig:
         fields.setdefault("method_options", {})
         fields["method_options"] = {**fields["method_options"], **options}
         return cls(method=name, **fields)
+
+
+_RENAMED_HELP = (
+    "eviction_scope: image and text ranked separately or together when tokens are evicted; "
+    "read_scope: which pages a retrieval method chooses among"
+)
+
+
+def _refuse_renamed(given: dict[str, Any]) -> None:
+    for old, new in RENAMED.items():
+        if given.get(old) is not None:
+            raise ConfigError(
+                f"OvalConfig has no {old!r} any more: write {new}={given[old]!r} ({_RENAMED_HELP})"
+            )
+
+
+def budget_field(method: str) -> str:
+    """The OvalConfig field a spec's budget axis sets (`from_spec(spec, budget)`, a sweep's `--budgets`):
+    "read_budget" for a retrieval method named alone (e.g. "oval"), "budget" otherwise."""
+    name = method.strip().partition(":")[0].strip() if isinstance(method, str) else method
+    return "read_budget" if isinstance(name, str) and is_retrieval_only(name) else "budget"
 
 
 def field_names() -> list[str]:

@@ -274,7 +274,7 @@ def test_pyramidkv_keeps_the_uniform_total_over_layers_per_sample_and_modality(
 @pytest.mark.parametrize("scope", ["image", "all"])
 def test_adakv_keeps_the_uniform_total_per_layer_over_heads(tiny_random_llava, inputs, spec, scope):
     model, _ = tiny_random_llava
-    kw = dict(budget=0.25, text_budget=0.5, scope=scope)
+    kw = dict(budget=0.25, text_budget=0.5, eviction_scope=scope)
     counts, info, stats = _run(model, inputs, spec, **kw)
     L, B, H, _ = counts.shape
     per_head = _uniform_counts(info, 0.25, 0.5, scope)  # (B, 2) or (B, 1)

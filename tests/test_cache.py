@@ -131,7 +131,7 @@ def test_scope_all_ranks_every_token_together_at_the_same_total_count():
         scores,
         info,
         OvalConfig(
-            method="random", budget=0.25, text_budget=0.5, scope="all", sink_tokens=0, recent_tokens=0
+            method="random", budget=0.25, text_budget=0.5, eviction_scope="all", sink_tokens=0, recent_tokens=0
         ),
     )
     assert (per_mod.sum(-1) == blind.sum(-1)).all()
@@ -352,7 +352,7 @@ def test_quest_scores_bound_the_true_logits():
 def test_decode_pages_close_and_get_summaries(model_and_processor):
     model, processor = model_and_processor
     inputs = _inputs(processor, 1)
-    mm_oval.wrap(model, retrieval="quest", read_budget=0.5, retrieval_scope="all", text_page_size=4)
+    mm_oval.wrap(model, retrieval="quest", read_budget=0.5, read_scope="all", text_page_size=4)
     cache = prefill(model, **inputs)
     layer = cache.layers[0]
     p0 = layer.prompt_pages
@@ -371,9 +371,9 @@ def test_decode_pages_close_and_get_summaries(model_and_processor):
 
 def test_from_spec_parses_method_options_and_config_fields():
     cfg = OvalConfig.from_spec(
-        "snapkv:window=16,kernel=7,pooling=maxpool,scope=all,text_budget=0.5", budget=0.25
+        "snapkv:window=16,kernel=7,pooling=maxpool,eviction_scope=all,text_budget=0.5", budget=0.25
     )
-    assert cfg.method == "snapkv" and cfg.budget == 0.25 and cfg.scope == "all" and cfg.text_budget == 0.5
+    assert cfg.method == "snapkv" and cfg.budget == 0.25 and cfg.eviction_scope == "all" and cfg.text_budget == 0.5
     assert cfg.method_options == {"window": 16, "kernel": 7, "pooling": "maxpool"}
     assert OvalConfig.from_spec("full").method == "full"
     assert OvalConfig.from_spec("tova:per_head=false", 64).method_options == {"per_head": False}
@@ -390,7 +390,8 @@ def test_from_spec_parses_method_options_and_config_fields():
         ({"budget": 0.0}, "out of range"),
         ({"text_budget": -3}, "out of range"),
         ({"budget": True}, "fraction"),
-        ({"scope": "video"}, "scope"),
+        ({"eviction_scope": "video"}, "eviction_scope"),
+        ({"read_scope": "pages"}, "read_scope"),
         ({"head_budget": "per-layer"}, "head_budget"),
         ({"read_budget": 1.5}, "read_budget"),
         ({"sink_tokens": -1}, "sink_tokens"),

@@ -2,7 +2,7 @@ import pytest
 from transformers import LlavaForConditionalGeneration
 
 import mm_oval
-from mm_oval.config import OvalConfig
+from mm_oval.config import OvalConfig, budget_field
 from mm_oval.errors import ConfigError
 from mm_oval.policies.base import make_eviction
 from mm_oval.zoo import bundled_model_path
@@ -115,5 +115,58 @@ def test_kvp_agents_are_comparable_across_heads_only_when_trained_on_joint_heads
 def test_a_key_given_twice_in_a_spec_is_refused_rather_than_one_silently_winning():
     with pytest.raises(ConfigError, match="'scorer' is given twice"):
         OvalConfig.from_spec("adakv:scorer=pyramidkv,scorer=kvzip", 0.25)
-    with pytest.raises(ConfigError, match="'scope' is given twice"):
-        OvalConfig.from_spec("snapkv:scope=all,scope=image", 0.25)
+    with pytest.raises(ConfigError, match="'eviction_scope' is given twice"):
+        OvalConfig.from_spec("snapkv:eviction_scope=all,eviction_scope=image", 0.25)
+
+
+def test_the_budget_axis_of_a_spec_is_the_read_budget_for_a_retrieval_method_and_says_so():
+    assert budget_field("oval") == budget_field("quest:foo=1") == "read_budget"
+    assert budget_field("snapkv") == budget_field("kvp:retrieval=oval") == budget_field("full") == "budget"
+    assert OvalConfig.from_spec("oval:read_budget=0.5").read_budget == 0.5  # the key alone is fine
+    with pytest.raises(ConfigError, match=r"retrieval method.*no \(text_\)budget.*oval:read_budget="):
+        OvalConfig.from_spec("oval:budget=0.25")
+    with pytest.raises(ConfigError, match="no \\(text_\\)budget"):
+        OvalConfig.from_spec("quest:text_budget=0.5", 0.25)
+    with pytest.raises(ConfigError, match="read_budget and a budget of 0.25 is given too"):
+        OvalConfig.from_spec("oval:read_budget=0.5", 0.25)
+    with pytest.raises(ConfigError, match="read budget in \\(0, 1\\]"):
+        OvalConfig.from_spec("oval", 16)  # a token count is an eviction budget, not a fraction of pages
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"budget": 0.25}, "budget=0.25 set with method 'full'"),
+        ({"text_budget": 8}, "text_budget=8 set with method 'full'"),
+        ({"eviction_scope": "all"}, "eviction_scope='all' set with method 'full'"),
+        ({"head_budget": "shared"}, "head_budget='shared' set with method 'full'"),
+        ({"read_budget": 0.5}, "read_budget=0.5 set without a retrieval method"),
+        ({"read_scope": "all"}, "read_scope='all' set without a retrieval method"),
+        ({"retrieval_options": {"eta": 1.0}}, "retrieval_options=.* set without a retrieval method"),
+        ({"method": "oval"}, "is a retrieval method .* set retrieval='oval'"),
+        ({"method": "snapky"}, "unknown eviction method 'snapky'"),
+        ({"method": "snapkv", "retrieval": "ovl"}, "unknown retrieval method 'ovl'"),
+    ],
+)
+def test_a_knob_the_configuration_cannot_use_is_refused_not_ignored(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        OvalConfig(**kw)
+
+
+def test_the_two_scopes_have_their_own_names_and_the_former_ones_are_refused_with_the_new():
+    cfg = OvalConfig(method="snapkv", budget=0.25, eviction_scope="all", retrieval="quest", read_scope="all")
+    assert (cfg.eviction_scope, cfg.read_scope) == ("all", "all")
+    assert "scope" not in cfg.to_dict() and "retrieval_scope" not in cfg.to_dict()
+    with pytest.raises(ConfigError, match="no 'scope' any more: write eviction_scope='all'"):
+        OvalConfig(method="snapkv", scope="all")
+    with pytest.raises(ConfigError, match="no 'retrieval_scope' any more: write read_scope='all'"):
+        OvalConfig(retrieval="quest", retrieval_scope="all")
+    with pytest.raises(ConfigError, match="write eviction_scope="):
+        cfg.replace(scope="image")
+    with pytest.raises(
+        ConfigError, match="'scope' in method spec 'kvp:scope=all' is now called 'eviction_scope'"
+    ):
+        OvalConfig.from_spec("kvp:scope=all", 0.25)
+    with pytest.raises(ConfigError, match="'retrieval_scope' .* is now called 'read_scope'"):
+        OvalConfig.from_spec("oval:retrieval_scope=all", 0.25)
+    assert OvalConfig.from_spec("oval:read_scope=all", 0.25).read_scope == "all"

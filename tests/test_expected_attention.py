@@ -262,7 +262,7 @@ def test_it_keeps_exactly_its_budget_in_the_wrapped_model(tiny_random_llava, inp
     model, _ = tiny_random_llava
     try:
         mm_oval.wrap(
-            model, method="expected_attention", budget=0.25, scope=scope, head_budget=head_budget,
+            model, method="expected_attention", budget=0.25, eviction_scope=scope, head_budget=head_budget,
             sink_tokens=0, recent_tokens=0,
         )  # fmt: skip
         assert model._mm_oval.inner_attn == "sdpa"

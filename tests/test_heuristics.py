@@ -169,7 +169,7 @@ def inputs(llava_batch):
 def test_each_baseline_runs_in_the_wrapped_model_at_its_budget(tiny_random_llava, inputs, method, scope):
     model, _ = tiny_random_llava
     try:
-        mm_oval.wrap(model, method=method, budget=0.25, scope=scope, sink_tokens=0, recent_tokens=0)
+        mm_oval.wrap(model, method=method, budget=0.25, eviction_scope=scope, sink_tokens=0, recent_tokens=0)
         cache = prefill(model, **inputs)
         n_img = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
         n_valid = inputs["attention_mask"].sum(-1)

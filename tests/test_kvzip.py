@@ -172,7 +172,7 @@ def test_budgets_are_exact_in_the_wrapped_model(tiny_random_llava, inputs, tok, 
         for method in ("kvzip", "snapkv", "keydiff"):
             opts = {"tokenizer": tok} if method == "kvzip" else {}
             mm_oval.wrap(
-                model, method=method, budget=0.25, scope=scope, head_budget=head_budget,
+                model, method=method, budget=0.25, eviction_scope=scope, head_budget=head_budget,
                 sink_tokens=0, recent_tokens=0, method_options=opts,
             )  # fmt: skip
             cache = prefill(model, **inputs)

@@ -43,8 +43,8 @@ class ExpectedAttention(EvictionPolicy):
       `n_sink` positions of each sample, and the future positions start at each sample's own next position.
       With `compress="image"` the prompt is the part up to the image, so the statistics come from the
       template head and the image tokens, and the future starts where the question will;
-    - image and text tokens share one softmax (one scale), so with `scope="all"` they compete on the same
-      footing; with `scope="image"` each modality's budget takes its own top;
+    - image and text tokens share one softmax (one scale), so with `eviction_scope="all"` they compete on the same
+      footing; with `eviction_scope="image"` each modality's budget takes its own top;
     - the scale is the attention module's (`ctx.scaling`), which is kvpress's 1/sqrt(d) for LLaVA's
       language models;
     - the sink tokens score one above the sample's highest score (kvpress: the batch's), which keeps a

@@ -209,7 +209,7 @@ class SnapKV(EvictionPolicy):
 class FastV(EvictionPolicy):
     """FastV-style (Chen et al. 2024): image tokens ranked once by the last prompt token's attention at
     layer `layer` (mean over heads); layers up to `layer` keep everything, the layers above drop the
-    low-ranked image tokens (every KV head the same). Use it with scope="image"."""
+    low-ranked image tokens (every KV head the same). Use it with eviction_scope="image"."""
 
     name = "fastv"
     needs_queries = True
