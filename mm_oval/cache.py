@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels
+from .allocation import Allocation, check_policy, pyramid_counts, shared_head_keep
 from .config import OvalConfig
 from .core import (
     IMAGE,
@@ -52,7 +53,6 @@ from .core import (
 )
 from .errors import ConfigError, DataError
 from .pages import gather_pages, layout_pages
-from .policies.budgets import Allocation, check_policy, pyramid_counts, shared_head_keep
 from .registry import make_eviction, make_retrieval
 
 if TYPE_CHECKING:

@@ -43,11 +43,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
+from .allocation import check_policy
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .core import Rope
 from .errors import ConfigError, DataError, ModelError
-from .policies.budgets import check_policy
 from .registry import make_eviction, make_retrieval
 from .stats import cache_stats
 

@@ -8,7 +8,9 @@ compose (`adakv:scorer=pyramidkv`, or `pyramidkv:scorer=kvzip,head_budget=shared
 scorer; deeper nesting takes built policies, `make_eviction("adakv", scorer=make_eviction("pyramidkv",
 scorer="keydiff"))`). The cache applies the
 allocation (`mm_oval.cache.choose_kept`), per sample and modality, with sinks and the recent window kept
-first as for every method; the functions below are the definitions it and the benchmarks use.
+first as for every method; the definitions it and the benchmarks use (`Allocation`, `pyramid_counts`,
+`shared_head_keep`, the comparability check) live in `mm_oval/allocation.py`, below the policies, and are
+re-exported here.
 
 - PyramidKV (Cai et al. 2024, arXiv 2406.02069; kvpress `PyramidKVPress.get_layer_budget`): the tokens a
   layer keeps beyond the protected ones fall linearly with depth, from `2c - c/beta` at the first layer to
@@ -25,11 +27,19 @@ first as for every method; the functions below are the definitions it and the be
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 
+from ..allocation import (  # noqa: F401  (re-exported: the definitions, where the methods are)
+    Allocation,
+    check_comparable,
+    check_policy,
+    not_comparable_message,
+    pyramid_counts,
+    shared_head_keep,
+)
 from ..errors import ConfigError
 from ..registry import load_builtin_policies, register_spec_check
 from .base import (
@@ -38,92 +48,9 @@ from .base import (
     PrefillContext,
     make_eviction,
     register_eviction,
-    topk_mask,
 )
 
 DEFAULT_SCORER = "snapkv"
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """How the kept tokens of a request are divided. `pyramid_beta`: None keeps the same count in every
-    layer, a number >= 1 the PyramidKV schedule of that steepness. `share_heads`: the heads of a layer
-    share their budget (AdaKV), each keeping at least `floor(alpha_safeguard x k)` of its uniform count k."""
-
-    pyramid_beta: float | None = None
-    share_heads: bool = False
-    alpha_safeguard: float = 0.0
-
-    def with_head_budget(self, head_budget: str) -> Allocation:
-        """The configuration's `head_budget="shared"` folded in: the heads share (AdaKV with alpha 0)."""
-        if head_budget == "shared" and not self.share_heads:
-            return replace(self, share_heads=True, alpha_safeguard=0.0)
-        return self
-
-    @classmethod
-    def of(cls, policy: Any, head_budget: str = "uniform") -> Allocation:
-        """The allocation of a policy (a wrapper's own, else the uniform one) under a configuration's
-        `head_budget`."""
-        alloc = policy.allocation if isinstance(policy, BudgetPolicy) else cls()
-        return alloc.with_head_budget(head_budget)
-
-
-def pyramid_counts(free: torch.Tensor, decidable: torch.Tensor, num_layers: int, beta: float) -> torch.Tensor:
-    """PyramidKV's per-layer counts: `free` (...,) tokens each layer keeps under the uniform budget (beyond
-    the protected ones) out of `decidable` (...,) -> (..., num_layers) long, falling linearly with depth and
-    summing over layers to exactly `num_layers * free`.
-
-    kvpress's formula with its observation window taken out (mm-oval's sinks and recent window are kept
-    on top of these counts in every layer): min = c / beta, max = 2c - min; when max exceeds what a layer
-    can keep (d), max = d and min = 2c - d; layer l keeps round(max - l (max - min) / (L - 1)) (Python's
-    round, half to even, which keeps the symmetric schedule's total). Float rounding that would move the
-    total is corrected on the layers nearest a half. kvpress falls back to the uniform budget when the
-    deepest layer would keep fewer tokens than its window; with the protected tokens kept apart, no
-    fallback is needed. One layer keeps the uniform count."""
-    if beta < 1:
-        raise ConfigError(f"pyramidkv: beta must be >= 1 (the schedule's steepness), got {beta}")
-    c, d = free.double(), decidable.double()
-    shape = free.shape
-    if num_layers <= 1:
-        return free.long().unsqueeze(-1).expand(*shape, max(num_layers, 1)).clone()
-    lo = c / beta
-    hi = 2 * c - lo
-    clamp = hi >= d
-    hi = torch.where(clamp, d, hi)
-    lo = torch.where(clamp, 2 * c - d, lo)
-    step = (hi - lo) / (num_layers - 1)
-    li = torch.arange(num_layers, dtype=torch.float64, device=free.device)
-    v = hi.unsqueeze(-1) - li * step.unsqueeze(-1)  # (..., L), real counts summing to L * c
-    counts = torch.round(v).minimum(d.unsqueeze(-1)).clamp(min=0)
-    # exact total: move single tokens where rounding strayed (only float error makes this non-zero), on the
-    # layers nearest a half that have room; vectorised, no device sync
-    diff = num_layers * free.long() - counts.long().sum(-1)  # (...,)
-    sign = diff.sign().unsqueeze(-1).double()
-    room = torch.where(sign > 0, counts < d.unsqueeze(-1), counts > 0)
-    gap = ((v - counts) * sign).masked_fill(~room, float("-inf"))
-    order = gap.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(num_layers, device=v.device).expand_as(order)
-    )
-    counts = counts + sign * (rank < diff.abs().unsqueeze(-1)).double()
-    return counts.long()
-
-
-def shared_head_keep(
-    scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor, alpha_safeguard: float = 0.0
-) -> torch.Tensor:
-    """AdaKV's choice: (B, H, N) scores (protected tokens at +inf), eligible (B, H, N), k (B,) tokens a head
-    keeps under the uniform budget -> (B, H, N) bool, `H x k` tokens per sample, each head's top
-    `floor(alpha_safeguard x k)` first, the rest the joint top of the (head, token) scores (ties: lower head,
-    then lower index)."""
-    B, H, N = scores.shape
-    s = scores.float().masked_fill(~eligible, float("-inf"))
-    if alpha_safeguard > 0:
-        safe = torch.floor(k.double() * alpha_safeguard + 1e-9).long()
-        guard = topk_mask(s, eligible, safe.view(B, 1).expand(B, H))
-        s = s.masked_fill(guard, float("inf"))
-    joint = topk_mask(s.reshape(B, H * N), eligible.reshape(B, H * N), k * H)
-    return joint.view(B, H, N)
 
 
 # ---- the wrappers ----------------------------------------------------------------------------------
@@ -283,23 +210,6 @@ class AdaKV(BudgetPolicy):
 # ---- checks ----------------------------------------------------------------------------------------
 
 
-def check_comparable(policy: EvictionPolicy, what: str) -> None:
-    """Refuse a policy whose scores are not on one scale across heads, for a budget shared by the heads."""
-    if not bool(policy.comparable_across_heads):
-        name = getattr(policy, "name", "") or type(policy).__name__
-        raise ConfigError(_not_comparable(name, what))
-
-
-def _not_comparable(name: str, what: str) -> str:
-    hint = " (KVP: agents trained with joint heads are, e.g. agents=bundled-joint)" if name == "kvp" else ""
-    undo = "drop head_budget=shared" if what.startswith("head_budget") else f"{name!r} alone"
-    return (
-        f"{what} ranks the KV heads of a layer jointly, but the scores of eviction method {name!r} are not "
-        f"comparable across heads{hint}: use a scorer whose scores are (snapkv, h2o, tova, keydiff, ...), "
-        f"or {undo} (every head keeps its own top-b)"
-    )
-
-
 def _chain(method: str, options: dict[str, Any]) -> tuple[list[type], Any, dict[str, Any]]:
     """Unfold a spec's wrappers: (the wrapper classes outermost first, the scorer: a name, a built policy
     or whatever was passed, the options left for it)."""
@@ -345,13 +255,7 @@ def check_spec(method: str, options: dict[str, Any], head_budget: str) -> None:
         )
     if (adakv or head_budget == "shared") and declared_comparable(method, options) is False:
         name = scorer if isinstance(scorer, str) else getattr(scorer, "name", type(scorer).__name__)
-        raise ConfigError(_not_comparable(name, "adakv" if adakv else "head_budget=shared"))
-
-
-def check_policy(policy: EvictionPolicy | None, head_budget: str) -> None:
-    """The built policy's check (e.g. KVP's agents known): head_budget="shared" needs comparable scores."""
-    if policy is not None and head_budget == "shared":
-        check_comparable(policy, "head_budget=shared")
+        raise ConfigError(not_comparable_message(name, "adakv" if adakv else "head_budget=shared"))
 
 
 register_spec_check(check_spec)  # the configuration runs it for every eviction spec

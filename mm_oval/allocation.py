@@ -1,0 +1,121 @@
+"""The budget arithmetic the cache applies for every method (`mm_oval.cache.choose_kept`): how many tokens
+each layer keeps (PyramidKV's schedule) and how a layer's KV heads share their count (AdaKV), and the check
+that a budget shared by the heads gets scores comparable across heads. Below the policies: storage uses it
+without importing them; the methods that choose an allocation (`mm_oval.policies.budgets`: `pyramidkv`,
+`adakv`) expose theirs as `policy.allocation`, and their docstrings hold the papers' definitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .core import topk_mask
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """How the kept tokens of a request are divided. `pyramid_beta`: None keeps the same count in every
+    layer, a number >= 1 the PyramidKV schedule of that steepness. `share_heads`: the heads of a layer
+    share their budget (AdaKV), each keeping at least `floor(alpha_safeguard x k)` of its uniform count k."""
+
+    pyramid_beta: float | None = None
+    share_heads: bool = False
+    alpha_safeguard: float = 0.0
+
+    def with_head_budget(self, head_budget: str) -> Allocation:
+        """The configuration's `head_budget="shared"` folded in: the heads share (AdaKV with alpha 0)."""
+        if head_budget == "shared" and not self.share_heads:
+            return replace(self, share_heads=True, alpha_safeguard=0.0)
+        return self
+
+    @classmethod
+    def of(cls, policy: Any, head_budget: str = "uniform") -> Allocation:
+        """The allocation of a policy (a wrapper's own, else the uniform one) under a configuration's
+        `head_budget`."""
+        alloc = getattr(policy, "allocation", None) or cls()  # a budget policy's own (pyramidkv, adakv)
+        return alloc.with_head_budget(head_budget)
+
+
+def pyramid_counts(free: torch.Tensor, decidable: torch.Tensor, num_layers: int, beta: float) -> torch.Tensor:
+    """PyramidKV's per-layer counts: `free` (...,) tokens each layer keeps under the uniform budget (beyond
+    the protected ones) out of `decidable` (...,) -> (..., num_layers) long, falling linearly with depth and
+    summing over layers to exactly `num_layers * free`.
+
+    kvpress's formula with its observation window taken out (mm-oval's sinks and recent window are kept
+    on top of these counts in every layer): min = c / beta, max = 2c - min; when max exceeds what a layer
+    can keep (d), max = d and min = 2c - d; layer l keeps round(max - l (max - min) / (L - 1)) (Python's
+    round, half to even, which keeps the symmetric schedule's total). Float rounding that would move the
+    total is corrected on the layers nearest a half. kvpress falls back to the uniform budget when the
+    deepest layer would keep fewer tokens than its window; with the protected tokens kept apart, no
+    fallback is needed. One layer keeps the uniform count."""
+    if beta < 1:
+        raise ConfigError(f"pyramidkv: beta must be >= 1 (the schedule's steepness), got {beta}")
+    c, d = free.double(), decidable.double()
+    shape = free.shape
+    if num_layers <= 1:
+        return free.long().unsqueeze(-1).expand(*shape, max(num_layers, 1)).clone()
+    lo = c / beta
+    hi = 2 * c - lo
+    clamp = hi >= d
+    hi = torch.where(clamp, d, hi)
+    lo = torch.where(clamp, 2 * c - d, lo)
+    step = (hi - lo) / (num_layers - 1)
+    li = torch.arange(num_layers, dtype=torch.float64, device=free.device)
+    v = hi.unsqueeze(-1) - li * step.unsqueeze(-1)  # (..., L), real counts summing to L * c
+    counts = torch.round(v).minimum(d.unsqueeze(-1)).clamp(min=0)
+    # exact total: move single tokens where rounding strayed (only float error makes this non-zero), on the
+    # layers nearest a half that have room; vectorised, no device sync
+    diff = num_layers * free.long() - counts.long().sum(-1)  # (...,)
+    sign = diff.sign().unsqueeze(-1).double()
+    room = torch.where(sign > 0, counts < d.unsqueeze(-1), counts > 0)
+    gap = ((v - counts) * sign).masked_fill(~room, float("-inf"))
+    order = gap.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(num_layers, device=v.device).expand_as(order)
+    )
+    counts = counts + sign * (rank < diff.abs().unsqueeze(-1)).double()
+    return counts.long()
+
+
+def shared_head_keep(
+    scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor, alpha_safeguard: float = 0.0
+) -> torch.Tensor:
+    """AdaKV's choice: (B, H, N) scores (protected tokens at +inf), eligible (B, H, N), k (B,) tokens a head
+    keeps under the uniform budget -> (B, H, N) bool, `H x k` tokens per sample, each head's top
+    `floor(alpha_safeguard x k)` first, the rest the joint top of the (head, token) scores (ties: lower head,
+    then lower index)."""
+    B, H, N = scores.shape
+    s = scores.float().masked_fill(~eligible, float("-inf"))
+    if alpha_safeguard > 0:
+        safe = torch.floor(k.double() * alpha_safeguard + 1e-9).long()
+        guard = topk_mask(s, eligible, safe.view(B, 1).expand(B, H))
+        s = s.masked_fill(guard, float("inf"))
+    joint = topk_mask(s.reshape(B, H * N), eligible.reshape(B, H * N), k * H)
+    return joint.view(B, H, N)
+
+
+def check_comparable(policy: Any, what: str) -> None:
+    """Refuse a policy whose scores are not on one scale across heads, for a budget shared by the heads."""
+    if not bool(policy.comparable_across_heads):
+        name = getattr(policy, "name", "") or type(policy).__name__
+        raise ConfigError(not_comparable_message(name, what))
+
+
+def not_comparable_message(name: str, what: str) -> str:
+    hint = " (KVP: agents trained with joint heads are, e.g. agents=bundled-joint)" if name == "kvp" else ""
+    undo = "drop head_budget=shared" if what.startswith("head_budget") else f"{name!r} alone"
+    return (
+        f"{what} ranks the KV heads of a layer jointly, but the scores of eviction method {name!r} are not "
+        f"comparable across heads{hint}: use a scorer whose scores are (snapkv, h2o, tova, keydiff, ...), "
+        f"or {undo} (every head keeps its own top-b)"
+    )
+
+
+def check_policy(policy: Any, head_budget: str) -> None:
+    """The built policy's check (e.g. KVP's agents known): head_budget="shared" needs comparable scores."""
+    if policy is not None and head_budget == "shared":
+        check_comparable(policy, "head_budget=shared")
