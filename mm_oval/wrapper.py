@@ -29,7 +29,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
-from .errors import ConfigError, DataError, ModelError
+from .errors import ConfigError, ModelError
+from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry, tokens_per_view
 from .policies.base import Rope, make_eviction, make_retrieval
 from .policies.budgets import check_policy
 from .stats import cache_stats
@@ -57,25 +58,18 @@ def _language_model(model: Any) -> Any:
     if lm is None or not hasattr(lm, "layers") or getattr(model.config, "image_token_id", None) is None:
         raise ModelError(
             f"{type(model).__name__} is not a LLaVA-style model: mm_oval.wrap needs a "
-            "LlavaForConditionalGeneration (model.model.language_model.layers and config.image_token_id), "
+            "LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
+            "LlavaOnevisionForConditionalGeneration or Qwen2_5_VLForConditionalGeneration "
+            "(model.model.language_model.layers and config.image_token_id), "
             "e.g. llava-hf/llava-1.5-7b-hf or mm_oval.zoo's tiny model"
         )
     return lm
 
 
 def _tokens_per_image(model: Any) -> int:
-    cfg = model.config
-    n = getattr(cfg, "image_seq_length", None)
-    vc = getattr(cfg, "vision_config", None)
-    if vc is not None and getattr(vc, "image_size", None) and getattr(vc, "patch_size", None):
-        n = (vc.image_size // vc.patch_size) ** 2
-        if getattr(cfg, "vision_feature_select_strategy", "default") == "full":
-            n += 1
-    if not n:
-        raise ModelError(
-            "cannot tell how many tokens one image takes (no vision_config.image_size/patch_size)"
-        )
-    return int(n)
+    """Tokens of one image_size view (LLaVA-1.5: of one image); 0 where every image has its own size
+    (Qwen2-VL). The per-request count and layout come from mm_oval.geometry."""
+    return tokens_per_view(model)
 
 
 def _eager_of(module: Any):
@@ -119,17 +113,11 @@ def _cache_from_kwargs(kwargs: dict) -> Any:
     return None
 
 
-def _check_images(input_ids: torch.Tensor, pixel_values: Any, image_token_id: int, per_image: int) -> None:
-    n_tokens = int((input_ids == image_token_id).sum())
-    if pixel_values is None:
-        return
-    n_images = int(pixel_values.shape[0]) if pixel_values.dim() == 4 else int(pixel_values.shape[:2].numel())
-    if n_tokens != n_images * per_image:
-        raise DataError(
-            f"the prompt holds {n_tokens} image tokens but {n_images} image(s) of {per_image} tokens each "
-            f"were given ({n_images * per_image} expected): build the inputs with the model's processor, "
-            "one <image> placeholder per image"
-        )
+def _geometry(model: Any, input_ids: torch.Tensor, kwargs: dict) -> Any:
+    """The request's image geometry (mm_oval.geometry): where each image's tokens are and their (row, col);
+    a DataError when the tokens do not match what the model makes of the pixel inputs."""
+    given = {k: kwargs.get(k) for k in GEOMETRY_INPUTS if kwargs.get(k) is not None}
+    return image_geometry(model, input_ids, kwargs.get("attention_mask"), **given)
 
 
 def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
@@ -144,13 +132,11 @@ def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
             raise ConfigError(
                 "mm-oval needs input_ids (not inputs_embeds) to know which tokens are image tokens"
             )
-        _check_images(
-            input_ids, kwargs.get("pixel_values"), model.config.image_token_id, state.tokens_per_image
-        )
-        cache.prepare(
-            input_ids, kwargs.get("attention_mask"), model.config.image_token_id, state.tokens_per_image
-        )
+        geometry = _geometry(model, input_ids, kwargs)
+        cache.prepare(input_ids, kwargs.get("attention_mask"), geometry=geometry)
         cache.rope = state.rope
+        if geometry.rope_positions is not None and state.rope is not None:  # M-RoPE, per request
+            cache.rope = MRope.of(state.rope.rotary_emb, geometry, cache.info.positions)
         cache._phase_now = "prefill"
     else:
         cache._phase_now = "decode"
@@ -236,9 +222,7 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError("a wrapped model generates with mm-oval's cache: do not pass another cache")
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if isinstance(input_ids, torch.Tensor) and cache.get_seq_length() == 0:
-        _check_images(
-            input_ids, kwargs.get("pixel_values"), model.config.image_token_id, state.tokens_per_image
-        )
+        _geometry(model, input_ids, kwargs)  # a clear error before generate encodes the images
     kwargs.pop("past_key_values", None)
     kwargs["cache"] = cache
     if cache.get_seq_length() == 0:
@@ -279,7 +263,7 @@ def _prepare_request(model: Any, cache: PagedMultimodalCache, input_ids: Any, kw
     if not policy.has_request_pass:  # nothing to prepare (a delegating policy answers for its scorer)
         return
     pixel_values = kwargs.get("pixel_values")
-    _check_images(input_ids, pixel_values, model.config.image_token_id, state.tokens_per_image)
+    _geometry(model, input_ids, kwargs)
     if "_t_request" not in cache.__dict__:
         _sync(input_ids)
         cache._t_request = time.perf_counter()
@@ -303,6 +287,7 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     """Wrap a LLaVA-style model in place and return it. `overrides` are OvalConfig fields
     (e.g. `method="snapkv", budget=0.25`). Wrapping a wrapped model replaces its configuration."""
     lm = _language_model(model)
+    family_of(model)  # a model whose image layout mm-oval cannot read is refused here, naming what is missing
     if config is not None and not isinstance(config, OvalConfig):
         raise ConfigError(f"config must be an OvalConfig, got {type(config).__name__}")
     config = (config or OvalConfig()).replace(**overrides) if overrides else (config or OvalConfig())
