@@ -276,3 +276,28 @@ BUILDERS = {
     "llava_onevision": build_tiny_llava_onevision,
     "qwen2_5_vl": build_tiny_qwen2_5_vl,
 }
+
+
+def random_image(height: int, width: int, seed: int = 0) -> Any:
+    """A random RGB PIL image of `height` x `width` pixels (tests and examples)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray((torch.rand(height, width, 3, generator=g) * 255).to(torch.uint8).numpy())
+
+
+def chat_text(processor: Any, question: str, n_images: int = 1) -> str:
+    """One user turn of `n_images` images and `question`, through the processor's chat template."""
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def mixed_batch(processor: Any) -> Any:
+    """A two-sample batch: two images of different sizes (wide 40 x 70, tall 64 x 48) in the first prompt,
+    one square image and a longer question in the second; left padding where the lengths differ."""
+    texts = [
+        chat_text(processor, "what color is the circle ?", 2),
+        chat_text(processor, "how many red objects are there in the picture ?", 1),
+    ]
+    images = [[random_image(40, 70, 1), random_image(64, 48, 2)], [random_image(50, 50, 3)]]
+    return processor(images=images, text=texts, return_tensors="pt", padding=True)
