@@ -157,3 +157,23 @@ def test_qwen_m_rope_positions_are_the_models_own_in_prefill_and_decode():
 def _ids_of_slots(pos3, layer):
     src = layer.slot_src[:, 0, : layer.prompt_slots].clamp(min=0)
     return pos3.gather(2, src.unsqueeze(0).expand(3, -1, -1))
+
+
+def test_qwen2_vl_shares_the_qwen2_5_vl_path():
+    """Qwen2-VL (no window attention in its tower, the same grid_thw layout and M-RoPE): exact at budget
+    1.0, a quarter of each sample's image tokens at 0.25."""
+    from mm_oval.zoo.family import build_tiny_qwen2_vl
+
+    model, processor = build_tiny_qwen2_vl()
+    inputs = mixed_batch(processor)
+    plain = _greedy(model, inputs)
+    mm_oval.wrap(model, method="snapkv", budget=1.0)
+    try:
+        assert _greedy(model, inputs).sequences.tolist() == plain.sequences.tolist()
+        mm_oval.wrap(model, method="knorm", budget=0.25, recent_tokens=2)
+        cache = prefill(model, **inputs)
+        want = budget_count(0.25, (cache.info.modality == IMAGE).sum(-1))
+        kept = (cache.layers[0].slot_mod == IMAGE).sum(-1)
+        assert torch.equal(kept, want.view(-1, 1).expand_as(kept))
+    finally:
+        mm_oval.unwrap(model)
