@@ -177,3 +177,25 @@ def test_qwen2_vl_shares_the_qwen2_5_vl_path():
         assert torch.equal(kept, want.view(-1, 1).expand_as(kept))
     finally:
         mm_oval.unwrap(model)
+
+
+def test_every_eviction_method_runs_or_is_refused_clearly(family):
+    from mm_oval.errors import ConfigError
+    from mm_oval.policies.base import EVICTION_REGISTRY, _load_builtin_policies
+
+    name, model, processor = family
+    inputs = mixed_batch(processor)
+    _load_builtin_policies()
+    options = {"fastv": {"layer": 0}, "kvp": None, "kvzip": {"tokenizer": "unused"}}
+    for method in sorted(EVICTION_REGISTRY):
+        if options.get(method, {}) is None:
+            continue  # learned agents belong to one model: covered by the train-kvp smoke run
+        cfg = {"method": method, "budget": 0.5, "method_options": options.get(method, {})}
+        if method == "kvzip":  # its own pass over the prompt feeds LLaVA-1.5's inputs only
+            with pytest.raises(ConfigError, match="kvzip .* does not run on"):
+                mm_oval.wrap(model, **cfg)
+            continue
+        mm_oval.wrap(model, **cfg)
+        seq = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        assert seq.shape[1] == inputs["input_ids"].shape[1] + 2, method
+        assert get_stats(model)["image_kv_fraction_kept"] < 1.0, method
