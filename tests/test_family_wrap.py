@@ -199,3 +199,16 @@ def test_every_eviction_method_runs_or_is_refused_clearly(family):
         seq = model.generate(**inputs, max_new_tokens=2, do_sample=False)
         assert seq.shape[1] == inputs["input_ids"].shape[1] + 2, method
         assert get_stats(model)["image_kv_fraction_kept"] < 1.0, method
+
+
+def test_chat_maps_of_kept_patches_are_refused_clearly_where_grids_vary(family):
+    from mm_oval.errors import ConfigError
+
+    name, model, processor = family
+    mm_oval.unwrap(model)
+    chat = Chat(
+        model, processor, image=random_image(48, 80, 5), method="snapkv", budget=0.5, max_new_tokens=2
+    )
+    chat.ask("what color is the circle ?")
+    with pytest.raises(ConfigError, match="grids of their own sizes.*cache.geometry"):
+        chat.kept_image_tokens(0)
