@@ -195,3 +195,27 @@ def test_a_family_mm_oval_cannot_read_is_refused_naming_what_is_missing():
     model.config.vision_config.__dict__["spatial_merge_size"] = None
     with pytest.raises(ModelError, match="lacks spatial_merge_size"):
         family_of(model)
+
+
+def test_qwen_video_slices_are_grids_and_generate_exactly():
+    import numpy as np
+
+    import mm_oval
+
+    model, processor = BUILDERS["qwen2_5_vl"]()
+    frames = (np.random.default_rng(0).random((4, 32, 48, 3)) * 255).astype("uint8")
+    content = [{"type": "video"}, {"type": "text", "text": "what color is the circle ?"}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    inputs = processor(
+        videos=[frames], text=[text], return_tensors="pt", do_sample_frames=False, cap_pixels_per_frame=False
+    )
+    geo = _geometry(model, inputs)
+    t, h, w = inputs["video_grid_thw"][0].tolist()  # 4 frames -> 2 temporal slices of 2 x 3 merged cells
+    assert [(g.kind, g.rows, g.cols, g.video) for g in geo.grids[0]] == [("frame", h // 2, w // 2, True)] * t
+    assert geo.image_tokens == [[t * (h // 2) * (w // 2)]]
+    plain = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    mm_oval.wrap(model, method="snapkv", budget=1.0)
+    try:
+        assert model.generate(**inputs, max_new_tokens=3, do_sample=False).tolist() == plain.tolist()
+    finally:
+        mm_oval.unwrap(model)
