@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .errors import DataError, ModelError
+from .errors import ConfigError, DataError, ModelError
 from .policies.base import Rope
 
 # model_type -> how its images are laid out
@@ -284,12 +284,17 @@ def image_geometry(
     """The image geometry of one request: `inputs` are the other tensors the processor returned
     (pixel_values, image_sizes, batch_num_images, pixel_values_videos, image_grid_thw, video_grid_thw,
     mm_token_type_ids, second_per_grid_ts) and, when the caller has them, the position_ids the model will
-    use. Without pixel values (a later turn of a conversation) the image tokens are counted but get no
-    grid. A count that does not match what the model makes of the inputs is a DataError."""
+    use. Placeholders given without pixel values are image tokens on grids of one row (one per run of
+    consecutive placeholders; LLaVA-1.5's still come per image when their count allows). A count that
+    does not match what the model makes of the inputs is a DataError."""
     fam = family_of(model)
     cfg = model.config
     B, N = input_ids.shape
     device = input_ids.device
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ConfigError(
+            "mm-oval reads padding from a 2-D attention_mask (batch, tokens); a prepared 4-D mask is not supported"
+        )
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     is_image = torch.zeros(B, N, dtype=torch.bool, device=device)
     is_newline = torch.zeros(B, N, dtype=torch.bool, device=device)
@@ -299,9 +304,8 @@ def image_geometry(
         per, n_tok = _view_tokens(model), int(((input_ids == cfg.image_token_id) & valid).sum())
         if n_tok and per > 0 and n_tok % per == 0:
             images = [[_base_part(model)] for _ in range(n_tok // per)]
-    records: list[
-        tuple[int, int, bool, int, Part, torch.Tensor]
-    ] = []  # (sample, start, video, image, part, idx)
+    # one per part: (sample, first index, video?, image number in the request, part, its (M, 2) indices)
+    records: list[tuple[int, int, bool, int, Part, torch.Tensor]] = []
     counts: list[list[int]] = [[] for _ in range(B)]
     grids_extra: list[tuple[int, int, int, bool]] = []  # (sample, start, length, video) of pixel-less runs
     streams = [(cfg.image_token_id, images, False, "pixel_values")]
