@@ -139,11 +139,14 @@ def load_model(
 
 
 def check_llava(model: Any) -> None:
+    from mm_oval.geometry import SUPPORTED_CLASSES
+
     cfg = getattr(model, "config", None)
-    if getattr(cfg, "model_type", None) != "llava" or getattr(cfg, "image_token_id", None) is None:
+    if getattr(cfg, "model_type", None) not in SUPPORTED_CLASSES or getattr(cfg, "image_token_id", None) is None:
         raise ModelError(
             f"{type(model).__name__} is not a LLaVA-style model: the evaluation needs a "
-            "LlavaForConditionalGeneration (config.model_type 'llava' with an image_token_id)"
+            f"{' / '.join(SUPPORTED_CLASSES.values())} (config.model_type one of {', '.join(SUPPORTED_CLASSES)}, "
+            "with an image_token_id)"
         )
 
 

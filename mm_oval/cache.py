@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextvars
 import copy
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +51,7 @@ from .core import (
     topk_mask,
 )
 from .errors import ConfigError, DataError
+from .geometry import Geometry, fixed_grid_rc
 from .pages import gather_pages, layout_pages
 from .registry import make_eviction, make_retrieval
 
@@ -89,29 +89,31 @@ class RequestInfo:
 def request_info(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    image_token_id: int,
+    image_token_id: int | None,
     tokens_per_image: int,
     sink_tokens: int,
     recent_tokens: int,
+    geometry: Geometry | None = None,
 ) -> RequestInfo:
+    """Per prompt token: modality, position, (grid, row, col), protection. The image tokens and their
+    (row, col) come from `geometry` (mm_oval.geometry.image_geometry: any supported model family); without
+    one, from `image_token_id` with `tokens_per_image` tokens per square image (LLaVA-1.5's layout)."""
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ConfigError(
             "mm-oval reads padding from a 2-D attention_mask (batch, tokens); a prepared 4-D mask is not supported"
         )
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    is_img = (input_ids == image_token_id) & valid
+    if geometry is not None:
+        is_img = geometry.is_image & valid
+        rc = geometry.image_rc
+    else:
+        is_img = (input_ids == image_token_id) & valid
+        rc = fixed_grid_rc(is_img, tokens_per_image)
     modality = torch.full_like(input_ids, TEXT, dtype=torch.int8)
     modality[is_img] = IMAGE
     modality[~valid] = PAD
     positions = valid.long().cumsum(-1) - 1
     positions = positions.masked_fill(~valid, -1)
-    side = max(int(round(math.sqrt(tokens_per_image))), 1)
-    if side * side != tokens_per_image:  # non-square patch grid: one row per image
-        side = tokens_per_image
-    ordinal = is_img.long().cumsum(-1) - 1
-    rc = torch.stack(
-        [ordinal // tokens_per_image, (ordinal % tokens_per_image) // side, ordinal % side], dim=-1
-    )
     image_rc = torch.where(is_img.unsqueeze(-1), rc, torch.full_like(rc, -1))
     n_valid = valid.sum(-1, keepdim=True)
     protected = valid & ((positions < sink_tokens) | (positions >= n_valid - recent_tokens))
@@ -574,6 +576,7 @@ class PagedMultimodalCache(Cache):
         self.info: RequestInfo | None = None
         self.request = RequestState()  # what the request carries from layer to layer, step to step
         self.step = StepState()  # the forward now running (prefill or a decode step)
+        self.geometry: Geometry | None = None  # the request's image geometry, when prepared with one
         self.rope: Rope | None = None  # the text model's RoPE, set by the wrapped model before prefill
         self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0}  # tensors once counted
         self.kernels: bool | None = None  # decode through mm_oval.kernels; None = on CUDA only
@@ -586,9 +589,12 @@ class PagedMultimodalCache(Cache):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        image_token_id: int,
-        tokens_per_image: int,
+        image_token_id: int | None = None,
+        tokens_per_image: int = 0,
+        geometry: Geometry | None = None,
     ) -> None:
+        """Ready the cache for one request: the image tokens and their (grid, row, col) from `geometry`
+        (mm_oval.geometry.image_geometry), or from `image_token_id` and `tokens_per_image` (LLaVA-1.5)."""
         if self.get_seq_length() != 0:
             raise ConfigError(
                 "this cache already holds a request; build a new one (or cache.copy()) per request"
@@ -600,7 +606,9 @@ class PagedMultimodalCache(Cache):
             tokens_per_image,
             self.config.sink_tokens,
             self.config.recent_tokens,
+            geometry,
         )
+        self.geometry = geometry
 
     def copy(self) -> PagedMultimodalCache:
         """An independent copy (e.g. to ask several questions about one compressed image)."""

@@ -325,6 +325,14 @@ class Chat:
     @property
     def grid(self) -> tuple[int, int, int]:
         """(images, rows, cols) of the patch grid."""
+        from .geometry import FIXED, family_of
+
+        if family_of(self.model) != FIXED:  # grids of their own sizes, several per image
+            raise ConfigError(
+                f"the kept-patch and page-read maps are drawn on LLaVA-1.5's one grid per image; "
+                f"{type(self.model).__name__} gives each image grids of their own sizes: read "
+                "chat.stats(), or the cache's geometry (cache.geometry.grids) and layer.slot_rc"
+            )
         side = max(int(round(math.sqrt(self.tokens_per_image))), 1)
         if side * side != self.tokens_per_image:
             return len(self.images), 1, self.tokens_per_image

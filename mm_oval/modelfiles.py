@@ -107,9 +107,13 @@ def load_llava(
     attn_implementation: str | None = None,
     allow_pickle_weights: bool = False,
 ) -> tuple[Any, Any]:
-    """(LlavaForConditionalGeneration, processor) of a local folder, a Hub id or `bundled`, checked as the
-    module docstring says. Every failure a user can cause is a ModelError naming the folder."""
-    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+    """(model, processor) of a local folder, a Hub id or `bundled`, checked as the module docstring says. The
+    model is built with its own class (mm_oval.geometry.SUPPORTED_CLASSES: LLaVA-1.5, LLaVA-NeXT,
+    LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL). Every failure a user can cause is a ModelError naming the folder."""
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
+
+    from .geometry import SUPPORTED_CLASSES
 
     path = resolve_model_path(spec)
     local = Path(path)
@@ -120,11 +124,14 @@ def load_llava(
         cfg = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot load a model config from {path!r}: {_brief(e)}") from e
-    if cfg.model_type != "llava":
+    if cfg.model_type not in SUPPORTED_CLASSES:
         raise ModelError(
             f"{path!r} is a {cfg.model_type!r} model; mm-oval runs LLaVA-style models "
-            "(LlavaForConditionalGeneration, e.g. llava-hf/llava-1.5-7b-hf or --model bundled)"
+            f"({', '.join(SUPPORTED_CLASSES.values())}; e.g. llava-hf/llava-1.5-7b-hf, "
+            "llava-hf/llava-v1.6-mistral-7b-hf, llava-hf/llava-onevision-qwen2-7b-ov-hf, "
+            "Qwen/Qwen2.5-VL-7B-Instruct or --model bundled)"
         )
+    model_class = getattr(transformers, SUPPORTED_CLASSES[cfg.model_type])
     if is_local:
         check_weight_files(local, allow_pickle_weights)
     try:
@@ -147,7 +154,7 @@ def load_llava(
     from safetensors import SafetensorError
 
     try:
-        model, info = LlavaForConditionalGeneration.from_pretrained(path, **kwargs)
+        model, info = model_class.from_pretrained(path, **kwargs)
     except (OSError, RuntimeError, ValueError, SafetensorError) as e:
         hint = (
             ""

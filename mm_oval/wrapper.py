@@ -47,7 +47,8 @@ from .allocation import check_policy
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .core import Rope
-from .errors import ConfigError, DataError, ModelError
+from .errors import ConfigError, ModelError
+from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry, tokens_per_view
 from .registry import make_eviction, make_retrieval
 from .stats import cache_stats
 
@@ -74,25 +75,18 @@ def _language_model(model: Any) -> Any:
     if lm is None or not hasattr(lm, "layers") or getattr(model.config, "image_token_id", None) is None:
         raise ModelError(
             f"{type(model).__name__} is not a LLaVA-style model: mm_oval.wrap needs a "
-            "LlavaForConditionalGeneration (model.model.language_model.layers and config.image_token_id), "
+            "LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
+            "LlavaOnevisionForConditionalGeneration or Qwen2_5_VLForConditionalGeneration "
+            "(model.model.language_model.layers and config.image_token_id), "
             "e.g. llava-hf/llava-1.5-7b-hf or mm_oval.zoo's tiny model"
         )
     return lm
 
 
 def _tokens_per_image(model: Any) -> int:
-    cfg = model.config
-    n = getattr(cfg, "image_seq_length", None)
-    vc = getattr(cfg, "vision_config", None)
-    if vc is not None and getattr(vc, "image_size", None) and getattr(vc, "patch_size", None):
-        n = (vc.image_size // vc.patch_size) ** 2
-        if getattr(cfg, "vision_feature_select_strategy", "default") == "full":
-            n += 1
-    if not n:
-        raise ModelError(
-            "cannot tell how many tokens one image takes (no vision_config.image_size/patch_size)"
-        )
-    return int(n)
+    """Tokens of one image_size view (LLaVA-1.5: of one image); 0 where every image has its own size
+    (Qwen2-VL). The per-request count and layout come from mm_oval.geometry."""
+    return tokens_per_view(model)
 
 
 def _eager_of(module: Any):
@@ -133,17 +127,11 @@ def _cache_from_kwargs(kwargs: dict) -> Any:
     return None
 
 
-def _check_images(input_ids: torch.Tensor, pixel_values: Any, image_token_id: int, per_image: int) -> None:
-    n_tokens = int((input_ids == image_token_id).sum())
-    if pixel_values is None:
-        return
-    n_images = int(pixel_values.shape[0]) if pixel_values.dim() == 4 else int(pixel_values.shape[:2].numel())
-    if n_tokens != n_images * per_image:
-        raise DataError(
-            f"the prompt holds {n_tokens} image tokens but {n_images} image(s) of {per_image} tokens each "
-            f"were given ({n_images * per_image} expected): build the inputs with the model's processor, "
-            "one <image> placeholder per image"
-        )
+def _geometry(model: Any, input_ids: torch.Tensor, kwargs: dict) -> Any:
+    """The request's image geometry (mm_oval.geometry): where each image's tokens are and their (row, col);
+    a DataError when the tokens do not match what the model makes of the pixel inputs."""
+    given = {k: kwargs.get(k) for k in GEOMETRY_INPUTS if kwargs.get(k) is not None}
+    return image_geometry(model, input_ids, kwargs.get("attention_mask"), **given)
 
 
 def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
@@ -162,7 +150,10 @@ def _pre_forward(model: Any, args: tuple, kwargs: dict) -> None:
             )
         if cache.request.started is None:  # a plain forward: the request begins here
             _begin_request(model, cache, input_ids, kwargs, policy_pass=False)
-        cache.prepare(input_ids, am, model.config.image_token_id, state.tokens_per_image)
+        geometry = cache.geometry  # read (and checked) once, when the request began
+        cache.prepare(input_ids, am, geometry=geometry)
+        if geometry.rope_positions is not None and state.rope is not None:  # M-RoPE, per request
+            cache.rope = MRope.of(state.rope.rotary_emb, geometry, cache.info.positions)
         _sync(input_ids)
         cache.step.begin("prefill", cache.request.started)
         return
@@ -283,7 +274,9 @@ def _begin_request(
     (KVzip's context reconstruction; its time counts as prefill time), kept in `cache.request.prepared`."""
     state = _state(model)
     pixel_values = kwargs.get("pixel_values")
-    _check_images(input_ids, pixel_values, model.config.image_token_id, state.tokens_per_image)
+    # the request's image geometry: where each image's tokens are and their (row, col); the only check of
+    # the images against the prompt (a DataError when they do not match)
+    cache.geometry = _geometry(model, input_ids, kwargs)
     _sync(input_ids)
     cache.request.started = time.perf_counter()
     cache.rope = state.rope
@@ -306,6 +299,7 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     """Wrap a LLaVA-style model in place and return it. `overrides` are OvalConfig fields
     (e.g. `method="snapkv", budget=0.25`). Wrapping a wrapped model replaces its configuration."""
     lm = _language_model(model)
+    family_of(model)  # a model whose image layout mm-oval cannot read is refused here, naming what is missing
     if config is not None and not isinstance(config, OvalConfig):
         raise ConfigError(f"config must be an OvalConfig, got {type(config).__name__}")
     config = (config or OvalConfig()).replace(**overrides) if overrides else (config or OvalConfig())

@@ -273,7 +273,7 @@ def test_a_request_checks_its_images_and_computes_its_stats_once(model_and_proce
     inputs = _batch(processor, 2)
     mm_oval.wrap(model, method="snapkv", budget=0.25)
     calls = {"images": 0, "stats": 0}
-    check, stats = wrapper._check_images, wrapper.cache_stats
+    check, stats = wrapper._geometry, wrapper.cache_stats
 
     def counted(name, fn):
         def run(*args, **kwargs):
@@ -282,7 +282,7 @@ def test_a_request_checks_its_images_and_computes_its_stats_once(model_and_proce
 
         return run
 
-    monkeypatch.setattr(wrapper, "_check_images", counted("images", check))
+    monkeypatch.setattr(wrapper, "_geometry", counted("images", check))
     monkeypatch.setattr(wrapper, "cache_stats", counted("stats", stats))
     model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert calls == {"images": 1, "stats": 1}

@@ -206,6 +206,14 @@ class KVzip(EvictionPolicy):
         """Encode the repeat prompts with the model's tokenizer and chat template (`mm_oval.wrap` calls
         this). The tokenizer comes from the `tokenizer` option, else from the folder the model was loaded
         from; a model built in memory needs the option."""
+        from ..geometry import FIXED, family_of
+
+        if family_of(model) != FIXED:  # its own pass feeds pixel_values alone, with 1-D positions
+            raise ConfigError(
+                "kvzip reconstructs the prompt in its own pass with LLaVA-1.5's inputs (pixel_values, 1-D "
+                f"RoPE); it does not run on {type(model).__name__} (image_sizes / image_grid_thw, M-RoPE): use "
+                "another method, e.g. expected_attention (also question-agnostic) or snapkv"
+            )
         source = self.tokenizer or getattr(model, "name_or_path", "") or ""
         if not source:
             raise ConfigError(

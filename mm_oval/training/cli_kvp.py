@@ -146,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
     )
     model, processor = load_model(args.model, args.device, args.allow_pickle_weights)
     sig = model_signature(model)
+    from ..geometry import FIXED, family_of
+
+    # one grid side for every image only where every image has one (LLaVA-1.5); otherwise each prompt's own
+    fixed_grid = family_of(model) == FIXED
     fu = args.followups if args.data.startswith("zoo") else 0
     train_samples = load_samples(args.data, limit=args.samples, seed=args.seed, followups=fu)
     if args.heldout_data:
@@ -189,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         extra_features=feats,
         shared=args.shared,
         joint_heads=args.joint_heads,
-        grid_side=int(round((tc.get("image_seq_length") or 0) ** 0.5)),
+        grid_side=int(round((tc.get("image_seq_length") or 0) ** 0.5)) if fixed_grid else 0,
         sinks=args.sinks,
         recent=args.recent,
     )

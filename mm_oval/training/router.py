@@ -105,6 +105,7 @@ def capture_router_data(
 ) -> list[RouterSample]:
     """Run the plain model with eager attention over each prompt and record the routing targets."""
     from ..cache import request_info
+    from ..geometry import GEOMETRY_INPUTS, image_geometry
     from ..pages import layout_pages
 
     lm = _lm(model)
@@ -112,7 +113,6 @@ def capture_router_data(
     text = cfg.text_config
     hq, hkv = text.num_attention_heads, text.num_key_value_heads
     group = hq // hkv
-    tokens_per_image = int(getattr(cfg, "image_seq_length", 0) or 0)
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     box: dict[str, list] = {"hidden": [], "embeds": []}
@@ -145,8 +145,8 @@ def capture_router_data(
                 output_attentions=True,
                 return_dict_in_generate=True,
             )
-            tpi = tokens_per_image or int((ids == cfg.image_token_id).sum())
-            info = request_info(ids, None, cfg.image_token_id, tpi, sink_tokens, recent_tokens)
+            geo = image_geometry(model, ids, None, **{k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS})
+            info = request_info(ids, None, None, 0, sink_tokens, recent_tokens, geometry=geo)
             keep = (info.modality != PAD).unsqueeze(1).expand(1, hkv, n)
             lay = layout_pages(
                 keep, info.modality, info.positions, info.image_rc, info.protected, image_tile, text_page_size

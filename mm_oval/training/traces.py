@@ -22,7 +22,6 @@ import csv
 import io
 import json
 import logging
-import math
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -279,19 +278,6 @@ def _register_capture_attention() -> None:
     _REGISTERED = True
 
 
-def image_grid_coords(input_ids: torch.Tensor, image_token_id: int, tokens_per_image: int) -> torch.Tensor:
-    """(N,) ids -> (N, 3) long: (image index, row, col) for image tokens, -1 elsewhere. Image tokens come in
-    contiguous runs of `tokens_per_image`, laid out row-major on a square grid."""
-    n = input_ids.shape[-1]
-    rc = torch.full((n, 3), -1, dtype=torch.long)
-    idx = (input_ids == image_token_id).nonzero().flatten().tolist()
-    side = max(1, math.isqrt(tokens_per_image))
-    for k, pos in enumerate(idx):
-        img, off = divmod(k, tokens_per_image)
-        rc[pos] = torch.tensor([img, off // side, off % side])
-    return rc
-
-
 def _conversation(sample: TraceSample, answer: str | None) -> list[dict]:
     content = [{"type": "image"} for _ in sample.images] + [{"type": "text", "text": sample.question}]
     msgs = [{"role": "user", "content": content}]
@@ -360,6 +346,8 @@ def capture_sample(
     full["input_ids"] = full_ids
     if "attention_mask" in full:
         full["attention_mask"] = torch.ones_like(full_ids)
+    if "mm_token_type_ids" in full:  # Qwen2-VL: one per token, cut with the ids
+        full["mm_token_type_ids"] = full["mm_token_type_ids"][:, : full_ids.shape[1]]
     tc = model.config.text_config if hasattr(model.config, "text_config") else model.config
     old = tc._attn_implementation
     rec = _Recorder(prompt_len=n, store_queries=store_queries)
@@ -377,13 +365,15 @@ def capture_sample(
             "model whose attention goes through transformers' attention interface"
         )
     out = {k: torch.cat([rec.layers[i][k] for i in range(L)], dim=0) for k in rec.layers[0]}
-    image_token_id = getattr(model.config, "image_token_id", None)
-    ids0 = ids[0].cpu()
-    is_img = ids0 == image_token_id if image_token_id is not None else torch.zeros(n, dtype=torch.bool)
+    from ..geometry import GEOMETRY_INPUTS, image_geometry
+
+    # image tokens and their (grid, row, col) as the cache sees them (newlines are text), prompt part
+    pixel = {k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS}
+    geo = image_geometry(model, inputs["input_ids"], None, **pixel)
+    is_img = geo.is_image[0, :n].cpu()
     out["positions"] = torch.arange(n, dtype=torch.int32)
     out["modality"] = torch.where(is_img, IMAGE, TEXT).to(torch.int8)
-    per_image = int(getattr(model.config, "image_seq_length", 0) or max(1, int(is_img.sum())))
-    out["image_rc"] = image_grid_coords(ids0, image_token_id, per_image).to(torch.int16)
+    out["image_rc"] = geo.image_rc[0, :n].cpu().to(torch.int16)
     out["future_len"] = torch.tensor([full_ids.shape[1] - n], dtype=torch.int32)
     return out
 
