@@ -17,11 +17,8 @@ decode slots, page summaries, slot/page tables, method state) against the plain 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -29,6 +26,7 @@ from PIL import Image
 
 import mm_oval
 from mm_oval.config import OvalConfig
+from mm_oval.files import atomic_write_json
 from mm_oval.stats import get_stats
 
 # a random LLaVA of LLaVA-1.5's prompt length (336 px, patch 14: 576 image tokens) and a mid-sized LM
@@ -194,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "rows": rows,
         }
-        d = os.path.dirname(os.path.abspath(args.out))
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-        os.replace(tmp, args.out)
+        atomic_write_json(args.out, payload)
     return 0
 
 

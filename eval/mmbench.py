@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from .files import decode_base64_image, is_missing, read_table, write_table
+from ..files import is_missing
+from .files import decode_base64_image, read_table, write_table
 from .tasks import Item, Rule, Task, find_one
 
 log = logging.getLogger(__name__)

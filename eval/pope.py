@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from .files import atomic_write_text, open_image, read_jsonl
+from ..files import atomic_write_text
+from .files import open_image, read_jsonl
 from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task
 from .vqa import find_image_dir
 

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DataError, ModelError, ResultsError
-from .files import JsonlAppender, atomic_write_json, iter_records, read_json, remove_stale_tmp
+from ..files import atomic_write_json, remove_stale_tmp
+from .files import JsonlAppender, iter_records, read_json
 from .tasks import Item, Task, get_task, resolve_data
 
 log = logging.getLogger(__name__)

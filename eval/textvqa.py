@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from .files import atomic_write_json, open_image, read_json
+from ..files import atomic_write_json
+from .files import open_image, read_json
 from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task, find_one
 from .vqa import (  # noqa: F401  (the EvalAI processor is TextVQA's normaliser; re-exported here)
     EVALAI_COMMA_STRIP,

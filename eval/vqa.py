@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DataError
-from .files import atomic_write_json, open_image, read_json
+from ..files import atomic_write_json
+from .files import open_image, read_json
 from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task, find_one
 
 log = logging.getLogger(__name__)

@@ -10,13 +10,13 @@ out/checkpoint.pt. The agents land in out/ (kvp_agents.safetensors + kvp_config.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..policies.kvp import EXTRA_FEATURES, KVPAgentConfig, _atomic_write_bytes, model_signature, save_agents
+from ..files import atomic_write_json
+from ..policies.kvp import EXTRA_FEATURES, KVPAgentConfig, model_signature, save_agents
 
 logger = logging.getLogger(__name__)
 
@@ -225,9 +225,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print("held-out normalised cost (1 = optimal) and % of future attention evicted per budget:")
     print("\n".join(lines))
-    _atomic_write_bytes(
-        out / "heldout.json", json.dumps({str(k): v for k, v in table.items()}, indent=1).encode()
-    )
+    atomic_write_json(out / "heldout.json", {str(k): v for k, v in table.items()}, indent=1)
     training = {
         "train": asdict(train_cfg),
         "data": args.data,

@@ -8,13 +8,11 @@ mm-oval train-router --clip-model ViT-B-32 --clip-pretrained /ckpt/open_clip_vit
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +134,7 @@ def run(args: argparse.Namespace) -> int:
     )
     bar.close()
     out = save_router(router, args.out)
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"args": vars(args), "history": history}, f, indent=2)
-    os.replace(tmp, Path(out) / "history.json")
+    atomic_write_json(Path(out) / "history.json", {"args": vars(args), "history": history})
     if history and "val_router" in history[-1]:
         h = history[-1]
         log.info(

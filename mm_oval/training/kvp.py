@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DataError, ResultsError
+from ..files import atomic_write_bytes
 from ..modelfiles import load_checkpoint
 from ..policies.base import PAD, PrefillContext
 from ..policies.kvp import (
     KVPAgentConfig,
     KVPAgents,
-    _atomic_write_bytes,
     extra_features,
 )
 
@@ -245,7 +245,7 @@ def _ema_update(ema: KVPAgents, model: KVPAgents, decay: float) -> None:
 def _save_checkpoint(path: Path, payload: dict) -> None:
     buf = io.BytesIO()
     torch.save(payload, buf)
-    _atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def train_agents(

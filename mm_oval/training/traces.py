@@ -33,8 +33,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DataError, ModelError, ResultsError
+from ..files import atomic_write_bytes, atomic_write_text
 from ..policies.base import IMAGE, TEXT
-from ..policies.kvp import _atomic_write_bytes, model_signature
+from ..policies.kvp import model_signature
 
 logger = logging.getLogger(__name__)
 # where the cache is compressed, as the evaluation's --compress: after the whole prompt, or right after the
@@ -464,9 +465,9 @@ def capture_traces(
             if progress:
                 progress(start + k + 1, len(samples))
         name = f"shard_{len(manifest['shards']):05d}.safetensors"
-        _atomic_write_bytes(out_dir / name, save(tensors, metadata={"sample_ids": json.dumps(ids)}))
+        atomic_write_bytes(out_dir / name, save(tensors, metadata={"sample_ids": json.dumps(ids)}))
         manifest["shards"].append({"file": name, "count": len(chunk), "sample_ids": ids})
-        _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+        atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
     return out_dir
 
 

@@ -9,6 +9,7 @@ import logging
 from dataclasses import fields
 
 from ..errors import ConfigError
+from ..files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
         text = json.dumps(report, indent=1)
         print(text)
         if args.json:
-            from .generate import _atomic_write
-
-            _atomic_write(__import__("pathlib").Path(args.json), text)
+            atomic_write_text(args.json, text)
         return 0
     raise ConfigError(f"unknown zoo command {args.zoo_command!r}")
