@@ -34,6 +34,7 @@ import torch
 
 from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..files import atomic_write_json, remove_stale_tmp
+from ..modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
 from .files import JsonlAppender, iter_records, read_json
 from .tasks import Item, Task, get_task, resolve_data
 
@@ -103,40 +104,6 @@ def parse_budget(raw: str | float | int | None) -> float | int | None:
         raise ConfigError(
             f"budget {raw!r} is neither a fraction like 0.25 nor a token count like 64"
         ) from None
-
-
-def load_model(
-    model: str,
-    device: str | torch.device | None = None,
-    dtype: str = "auto",
-    attn_implementation: str | None = None,
-    allow_pickle_weights: bool = False,
-) -> tuple[Any, Any]:
-    """The model and processor of a local folder or Hub id (`bundled` = the bundled tiny LLaVA), through the
-    project's checked loader (`mm_oval.modelfiles.load_llava`): non-LLaVA models are rejected before any
-    weights are built; missing or truncated weights and processor files are a ModelError; a folder with only
-    pickled `*.bin` weights needs `allow_pickle_weights`."""
-    from mm_oval.modelfiles import load_llava
-
-    if device is None:
-        device = process_state().device
-    device = torch.device(device)
-    if dtype == "auto":
-        torch_dtype = torch.float16 if device.type == "cuda" else torch.float32
-    else:
-        try:
-            torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-                dtype
-            ]
-        except KeyError:
-            raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, float16, bfloat16") from None
-    return load_llava(
-        model,
-        device,
-        torch_dtype,
-        attn_implementation=attn_implementation,
-        allow_pickle_weights=allow_pickle_weights,
-    )
 
 
 def check_llava(model: Any) -> None:

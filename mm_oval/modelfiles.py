@@ -1,6 +1,12 @@
 """Checked loading of model folders and training checkpoints.
 
-`load_llava` is the one loader every command uses (eval, sweep, chat, train-kvp, train-router, zoo check):
+`load_model` is the one loader every command uses (eval, sweep, chat, train-kvp, train-router, the benchmarks,
+the lmms-eval plugin), with one set of defaults:
+- device: the process's GPU (`cuda:LOCAL_RANK` under `accelerate launch` / torchrun, else `cuda`) when there is
+  one, else the CPU;
+- dtype `auto`: float16 on CUDA, float32 elsewhere (also float32, float16, bfloat16);
+- attention: transformers' default (SDPA wherever torch has it), or `attn_implementation`.
+It resolves those and calls `load_llava`, which checks what it loads:
 - the model type is read from the config before any weights are built (a non-LLaVA config would otherwise
   become a default-sized LLaVA-7B);
 - a local folder is checked on disk first: its config, its safetensors weights (present, complete, every
@@ -18,13 +24,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import DataError, ModelError
+from .errors import ConfigError, DataError, ModelError
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +172,47 @@ def load_llava(
             "Download or save the model again"
         )
     return model.to(device).eval(), processor
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_device() -> torch.device:
+    """This process's GPU when there is one (`cuda:LOCAL_RANK` when a launcher set LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0) or 0))
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` -> float16 on CUDA, float32 elsewhere; a name (float32, float16, bfloat16) -> that dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}") from None
+
+
+def load_model(
+    model: str | Path,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype = "auto",
+    attn_implementation: str | None = None,
+    allow_pickle_weights: bool = False,
+) -> tuple[Any, Any]:
+    """(model, processor) of a local folder, a Hub id or `bundled`, with the defaults of the module docstring
+    (device None = `default_device()`), checked by `load_llava`."""
+    device = default_device() if device is None else torch.device(device)
+    return load_llava(
+        model,
+        device,
+        resolve_dtype(dtype, device),
+        attn_implementation=attn_implementation,
+        allow_pickle_weights=allow_pickle_weights,
+    )
 
 
 def load_checkpoint(path: str | Path, what: str = "checkpoint") -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..files import atomic_write_json
+from ..modelfiles import load_model
 from ..policies.kvp import EXTRA_FEATURES, KVPAgentConfig, model_signature, save_agents
 
 logger = logging.getLogger(__name__)
@@ -103,20 +104,6 @@ def parse_features(text: str) -> tuple[str, ...]:
     return feats
 
 
-def load_model(spec: str, device: str | None = None, allow_pickle_weights: bool = False):
-    """The model (fp16 on CUDA, fp32 elsewhere; SDPA attention) and processor, through the checked loader:
-    the model type is checked before anything is built."""
-    import torch
-
-    from ..modelfiles import load_llava
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    return load_llava(
-        spec, device, dtype, attn_implementation="sdpa", allow_pickle_weights=allow_pickle_weights
-    )
-
-
 def _bar(total: int, desc: str):
     from tqdm.auto import tqdm
 
@@ -142,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     train_cfg = TrainConfig(
         steps=args.steps, batch_samples=args.batch, rankings=args.rankings, lr=args.lr, seed=args.seed
     )
-    model, processor = load_model(args.model, args.device, args.allow_pickle_weights)
+    model, processor = load_model(args.model, args.device, allow_pickle_weights=args.allow_pickle_weights)
     sig = model_signature(model)
     fu = args.followups if args.data.startswith("zoo") else 0
     train_samples = load_samples(args.data, limit=args.samples, seed=args.seed, followups=fu)

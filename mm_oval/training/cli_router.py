@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..files import atomic_write_json
+from ..modelfiles import load_model
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_model(name: str | None, device: str, allow_pickle_weights: bool = False):
-    from ..modelfiles import load_llava
-
-    return load_llava(name or "bundled", device, "auto", allow_pickle_weights=allow_pickle_weights)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
@@ -86,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, processor = _load_model(args.model, args.device, args.allow_pickle_weights)
+    model, processor = load_model(
+        args.model or "bundled", args.device, allow_pickle_weights=args.allow_pickle_weights
+    )
     encoder = None
     if args.clip_model:
         encoder = OpenClipPageEncoder(args.clip_model, args.clip_pretrained, args.device)
