@@ -195,17 +195,6 @@ def write_table(path: str | os.PathLike, rows: Iterable[dict], columns: list[str
     atomic_write_text(path, buf.getvalue())
 
 
-def open_image(path: str | os.PathLike) -> Image.Image:
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"image not found: {path}")
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except Exception as e:
-        raise DataError(f"image {path} could not be decoded: {e}") from e
-
-
 def decode_base64_image(payload: str, where: str) -> Image.Image:
     try:
         raw = base64.b64decode(payload, validate=False)

@@ -26,8 +26,9 @@ from typing import Any
 
 from ..errors import DataError
 from ..files import atomic_write_text
-from .files import open_image, read_jsonl
-from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task
+from ..prompts import SHORT_ANSWER_PROMPT, load_image
+from .files import read_jsonl
+from .tasks import Item, Rule, Task
 from .vqa import find_image_dir
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class POPETask(Task):
                     Item(
                         id=f"{file_category}/{qid}" if file_category else str(qid),
                         prompt=prompt,
-                        image=(lambda p=img: open_image(p)),
+                        image=(lambda p=img: load_image(p)),
                         meta={"label": str(label).lower(), "category": category, "question_id": qid},
                         group=str(image),
                     )

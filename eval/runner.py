@@ -35,6 +35,7 @@ import torch
 from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..files import atomic_write_json, remove_stale_tmp
 from ..modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
+from ..prompts import chat_prompt, to_model
 from .files import JsonlAppender, iter_records, read_json
 from .tasks import Item, Task, get_task, resolve_data
 
@@ -250,39 +251,9 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
 # ---------------------------------------------------------------- generation
 
 
-def chat_prompt(processor: Any, text: str, history: list[tuple[str, str]] | None = None) -> str:
-    """The model's chat template around an image and `text` (LLaVA-1.5: "USER: <image>\\n{text} ASSISTANT:")."""
-    messages: list[dict] = []
-    for i, (q, a) in enumerate(history or []):
-        content = [{"type": "text", "text": q}]
-        if i == 0:
-            content.insert(0, {"type": "image"})
-        messages += [
-            {"role": "user", "content": content},
-            {"role": "assistant", "content": [{"type": "text", "text": a}]},
-        ]
-    content = [{"type": "text", "text": text}]
-    if not history:
-        content.insert(0, {"type": "image"})
-    messages.append({"role": "user", "content": content})
-    if getattr(processor, "chat_template", None):
-        return processor.apply_chat_template(messages, add_generation_prompt=True)
-    if history:
-        raise ConfigError("multi-turn evaluation needs a processor with a chat template")
-    return f"USER: <image>\n{text} ASSISTANT:"
-
-
 def _model_inputs(processor: Any, model: Any, images: list, texts: list[str]) -> dict[str, torch.Tensor]:
     processor.tokenizer.padding_side = "left"
-    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
-    out = {}
-    for k, v in inputs.items():
-        if isinstance(v, torch.Tensor):
-            v = v.to(model.device)
-            if v.is_floating_point():
-                v = v.to(model.dtype)
-            out[k] = v
-    return out
+    return to_model(processor(images=images, text=texts, return_tensors="pt", padding=True), model)
 
 
 def _gen_kwargs(processor: Any, max_new_tokens: int) -> dict[str, Any]:

@@ -14,9 +14,6 @@ from PIL import Image
 
 from ..errors import ConfigError, DataError
 
-# LLaVA-1.5's instruction after short-answer questions (VQAv2, TextVQA, POPE, GQA, ...)
-SHORT_ANSWER_PROMPT = "Answer the question using a single word or phrase."
-
 
 @dataclass
 class Item:

@@ -21,8 +21,9 @@ from typing import Any
 
 from ..errors import DataError
 from ..files import atomic_write_json
-from .files import open_image, read_json
-from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task, find_one
+from ..prompts import SHORT_ANSWER_PROMPT, load_image
+from .files import read_json
+from .tasks import Item, Rule, Task, find_one
 from .vqa import (  # noqa: F401  (the EvalAI processor is TextVQA's normaliser; re-exported here)
     EVALAI_COMMA_STRIP,
     evalai_normalize,
@@ -135,7 +136,7 @@ class TextVQATask(Task):
                 Item(
                     id=str(qid),
                     prompt=prompt,
-                    image=(lambda p=img: open_image(p)),
+                    image=(lambda p=img: load_image(p)),
                     meta={"answers": list(answers), "question": question},
                     group=str(image_id),
                 )

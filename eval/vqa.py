@@ -44,8 +44,9 @@ from typing import Any
 
 from ..errors import ConfigError, DataError
 from ..files import atomic_write_json
-from .files import open_image, read_json
-from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task, find_one
+from ..prompts import SHORT_ANSWER_PROMPT, load_image
+from .files import read_json
+from .tasks import Item, Rule, Task, find_one
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ def find_image_dir(data: Path, explicit: str | Path | None, names: tuple[str, ..
 
 
 def _image_loader(path: Path):
-    return lambda: open_image(path)
+    return lambda: load_image(path)
 
 
 def question_id(value: Any, where: str) -> int:

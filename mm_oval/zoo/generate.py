@@ -27,6 +27,7 @@ from PIL import Image, ImageDraw
 
 from ..errors import ConfigError
 from ..files import atomic_write_bytes, atomic_write_text
+from ..prompts import MMBENCH_INSTRUCTION, OPTION_LETTERS, SHORT_ANSWER_PROMPT, mmbench_prompt
 from .vocab import COLORS, NUMBER_WORDS, SHAPES
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,9 @@ RGB = {
 assert set(RGB) == set(COLORS)
 
 # the LLaVA-1.5 evaluation prompts (the harness builds exactly these; training uses them too)
-VQA_SUFFIX = "\nAnswer the question using a single word or phrase."
-MMB_SUFFIX = "\nAnswer with the option's letter from the given choices directly."
-LETTERS = "ABCD"
+VQA_SUFFIX = "\n" + SHORT_ANSWER_PROMPT
+MMB_SUFFIX = "\n" + MMBENCH_INSTRUCTION
+LETTERS = "".join(OPTION_LETTERS)
 
 # question types (VQA question_type / targets.json "type"); MMBench adds "hint lookup"
 COLOR_OF_SHAPE = "color of shape"
@@ -148,10 +149,7 @@ class Question:
     keys: list[tuple[str, int]] = field(default_factory=list)
 
     def mmbench_prompt(self) -> str:
-        body = (self.hint + "\n" + self.text) if self.hint else self.text
-        for letter, opt in zip(LETTERS, self.options):
-            body += f"\n{letter}. {opt}"
-        return body + MMB_SUFFIX
+        return mmbench_prompt(self.text, self.hint, self.options)
 
     def vqa_prompt(self) -> str:
         return self.text + VQA_SUFFIX
