@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-kvp": ("mm_oval.training.cli_kvp", "capture traces and train KVP eviction agents"),
     "train-router": ("mm_oval.training.cli_router", "train the hybrid image-text page router"),
     "zoo": ("mm_oval.zoo.cli", "generate the bundled benchmark / train the bundled tiny LLaVA"),
-    "chat": ("mm_oval.chat", "chat about an image with a (wrapped) model"),
+    "chat": ("mm_oval.cli_chat", "chat about an image with a (wrapped) model"),
 }
 
 
