@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import time
 
+from ..modelfiles import load_model
+from .runner import check_method, evaluate, parse_budget, process_state
 from .tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -27,9 +30,6 @@ def positive_int(text: str) -> int:
 
 def budget_value(text: str) -> float | int:
     """argparse type of --budget: a fraction in (0, 1] or a token count >= 1 (the method checks the rest)."""
-    import math
-
-    from .runner import parse_budget
 
     try:
         value = parse_budget(text)
@@ -150,8 +150,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runner import check_method, evaluate, load_model
-
     check_method(args.method, args.budget)  # a typo in the spec is reported before the model loads
     t0 = time.perf_counter()
     model, processor = load_model(
@@ -170,7 +168,6 @@ def run(args: argparse.Namespace) -> int:
         extra_timings={"model_load_s": load_s},
         rules=args.rules,
     )
-    from .runner import process_state
 
     if process_state().is_main_process:
         print_summary(results)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from ..modelfiles import load_model
 from .cli_eval import add_data_arguments, add_generation_arguments, add_rules_argument, generation_options
+from .runner import process_state
+from .sweep import check_cells, markdown_table, parse_budgets, parse_methods, run_sweep
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,9 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runner import load_model, process_state
-    from .sweep import check_cells, parse_budgets, parse_methods, run_sweep
-
     methods = parse_methods(args.methods)
     budgets = parse_budgets(args.budgets)
     check_cells(None, [(m, b) for m in methods if m != "full" for b in budgets])  # before the model loads
@@ -55,8 +55,6 @@ def run(args: argparse.Namespace) -> int:
         rules=args.rules,
     )
     if process_state().is_main_process:
-        from .sweep import markdown_table
-
         print(markdown_table(summary))
         print(f"table: {args.out}/sweep.md  plot: {args.out}/sweep.png")
     return 0

@@ -30,8 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
 
 from .errors import ConfigError, DataError, ModelError
+from .zoo import bundled_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +55,11 @@ def _brief(e: BaseException) -> str:
 def resolve_model_path(spec: str | Path) -> str:
     """`bundled` -> the bundled tiny LLaVA's folder; anything else as given (a local path or a Hub id)."""
     if str(spec) == "bundled":
-        from .zoo import bundled_model_path
-
         return str(bundled_model_path())
     return str(spec)
 
 
 def _check_safetensors(path: Path, folder: Path) -> None:
-    from safetensors import SafetensorError, safe_open
-
     if not path.is_file():
         raise ModelError(f"model folder {folder} lacks the weights file {path.name}: {_SAVE_HINT}")
     try:
@@ -116,7 +115,6 @@ def load_llava(
 ) -> tuple[Any, Any]:
     """(LlavaForConditionalGeneration, processor) of a local folder, a Hub id or `bundled`, checked as the
     module docstring says. Every failure a user can cause is a ModelError naming the folder."""
-    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
 
     path = resolve_model_path(spec)
     local = Path(path)
@@ -151,7 +149,6 @@ def load_llava(
         kwargs["attn_implementation"] = attn_implementation
     if not allow_pickle_weights:
         kwargs["use_safetensors"] = True
-    from safetensors import SafetensorError
 
     try:
         model, info = LlavaForConditionalGeneration.from_pretrained(path, **kwargs)

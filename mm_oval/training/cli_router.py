@@ -11,9 +11,23 @@ import argparse
 import logging
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
 from ..errors import ConfigError
 from ..files import atomic_write_json
 from ..modelfiles import load_model
+from ..policies.router import load_router, save_router
+from .router import (
+    OpenClipPageEncoder,
+    TrainOptions,
+    capture_router_data,
+    clip_page_init,
+    load_prompts,
+    new_router,
+    pca_page_init,
+    train_router,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from ..policies.router import load_router, save_router
-    from .router import (
-        OpenClipPageEncoder,
-        TrainOptions,
-        capture_router_data,
-        clip_page_init,
-        load_prompts,
-        new_router,
-        pca_page_init,
-        train_router,
-    )
-
     if args.lora_only and not args.init:
         raise ConfigError("--lora-only fine-tunes an existing router: pass --init DIR")
     if args.threads:

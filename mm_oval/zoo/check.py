@@ -19,6 +19,8 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
+from ..modelfiles import load_llava
+from . import bundled_data_dir, bundled_model_path
 from .generate import BACKGROUND, GRID, IMAGE_SIZE, VQA_SUFFIX, image_name
 
 log = logging.getLogger(__name__)
@@ -89,8 +91,6 @@ def first_token_answers(model, processor, items: list[dict], data_dir: Path, bla
 
 def grounding_report(model_path: str | Path | None = None, data_dir: str | Path | None = None, limit: int | None = None,
                      model=None, processor=None) -> dict:  # fmt: skip
-    from ..modelfiles import load_llava
-    from . import bundled_data_dir, bundled_model_path
 
     data_dir = Path(data_dir) if data_dir else bundled_data_dir()
     items = load_vqa_items(data_dir, limit)
