@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +26,11 @@ import torch
 from .cache import PagedMultimodalCache
 from .config import OvalConfig
 from .errors import ConfigError
+from .image_tokens import grid_shape, tokens_per_image
 from .policies.base import make_eviction, make_retrieval
 from .prompts import chat_prompt, load_image, to_model
 from .stats import cache_stats
-from .wrapper import _language_model, _tokens_per_image, unwrap, wrap
+from .wrapper import _language_model, unwrap, wrap
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class Chat:
         self.config = config if config is not None else OvalConfig.from_spec(method, budget)
         self.max_new_tokens = max_new_tokens
         self.record_reads = record_reads
-        self.tokens_per_image = _tokens_per_image(model)
+        self.tokens_per_image = tokens_per_image(model.config)
         state = getattr(model, "_mm_oval", None)
         if state is not None and state.config == self.config:
             self._eviction, self._retrieval = state.eviction, state.retrieval
@@ -306,10 +306,7 @@ class Chat:
     @property
     def grid(self) -> tuple[int, int, int]:
         """(images, rows, cols) of the patch grid."""
-        side = max(int(round(math.sqrt(self.tokens_per_image))), 1)
-        if side * side != self.tokens_per_image:
-            return len(self.images), 1, self.tokens_per_image
-        return len(self.images), side, side
+        return (len(self.images), *grid_shape(self.tokens_per_image))
 
     # ---- inside ----------------------------------------------------------------------------------------
     def _require_cache(self) -> Any:

@@ -30,6 +30,7 @@ import torch
 
 from ..errors import ConfigError, DataError, ResultsError
 from ..files import atomic_write_bytes, atomic_write_json
+from ..image_tokens import grid_shape
 from ..modelfiles import load_checkpoint
 from ..policies.base import PAD, PrefillContext, make_eviction
 from ..policies.kvp import (
@@ -566,7 +567,9 @@ def agent_config(signature: dict, cfg: PipelineConfig) -> KVPAgentConfig:
         extra_features=tuple(cfg.features),
         shared=cfg.shared,
         joint_heads=cfg.joint_heads,
-        grid_side=int(round((signature.get("image_seq_length") or 0) ** 0.5)),
+        grid_side=grid_shape(signature.get("image_seq_length") or 0)[1]
+        if signature.get("image_seq_length")
+        else 0,
         sinks=cfg.sinks,
         recent=cfg.recent,
     )

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..cache import request_info
 from ..errors import ConfigError, DataError, ModelError
+from ..image_tokens import tokens_per_image
 from ..pages import layout_pages
 from ..policies.base import IMAGE, PAD
 from ..policies.router import HybridRouter, RouterConfig, model_signature, pool_page_content
@@ -112,7 +113,7 @@ def capture_router_data(
     text = cfg.text_config
     hq, hkv = text.num_attention_heads, text.num_key_value_heads
     group = hq // hkv
-    tokens_per_image = int(getattr(cfg, "image_seq_length", 0) or 0)
+    per_image = tokens_per_image(cfg, default=0)
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     box: dict[str, list] = {"hidden": [], "embeds": []}
@@ -145,7 +146,7 @@ def capture_router_data(
                 output_attentions=True,
                 return_dict_in_generate=True,
             )
-            tpi = tokens_per_image or int((ids == cfg.image_token_id).sum())
+            tpi = per_image or int((ids == cfg.image_token_id).sum())
             info = request_info(ids, None, cfg.image_token_id, tpi, sink_tokens, recent_tokens)
             keep = (info.modality != PAD).unsqueeze(1).expand(1, hkv, n)
             lay = layout_pages(

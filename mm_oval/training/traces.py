@@ -22,7 +22,6 @@ import csv
 import io
 import json
 import logging
-import math
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -39,6 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..files import atomic_write_bytes, atomic_write_text
+from ..image_tokens import grid_coords, tokens_per_image
 from ..policies.base import IMAGE, TEXT
 from ..policies.kvp import model_signature
 from ..zoo.generate import TrainSampler
@@ -276,19 +276,6 @@ def _register_capture_attention() -> None:
     _REGISTERED = True
 
 
-def image_grid_coords(input_ids: torch.Tensor, image_token_id: int, tokens_per_image: int) -> torch.Tensor:
-    """(N,) ids -> (N, 3) long: (image index, row, col) for image tokens, -1 elsewhere. Image tokens come in
-    contiguous runs of `tokens_per_image`, laid out row-major on a square grid."""
-    n = input_ids.shape[-1]
-    rc = torch.full((n, 3), -1, dtype=torch.long)
-    idx = (input_ids == image_token_id).nonzero().flatten().tolist()
-    side = max(1, math.isqrt(tokens_per_image))
-    for k, pos in enumerate(idx):
-        img, off = divmod(k, tokens_per_image)
-        rc[pos] = torch.tensor([img, off // side, off % side])
-    return rc
-
-
 def _conversation(sample: TraceSample, answer: str | None) -> list[dict]:
     content = [{"type": "image"} for _ in sample.images] + [{"type": "text", "text": sample.question}]
     msgs = [{"role": "user", "content": content}]
@@ -379,8 +366,8 @@ def capture_sample(
     is_img = ids0 == image_token_id if image_token_id is not None else torch.zeros(n, dtype=torch.bool)
     out["positions"] = torch.arange(n, dtype=torch.int32)
     out["modality"] = torch.where(is_img, IMAGE, TEXT).to(torch.int8)
-    per_image = int(getattr(model.config, "image_seq_length", 0) or max(1, int(is_img.sum())))
-    out["image_rc"] = image_grid_coords(ids0, image_token_id, per_image).to(torch.int16)
+    per_image = tokens_per_image(model.config, default=max(1, int(is_img.sum())))
+    out["image_rc"] = grid_coords(ids0, image_token_id, per_image).to(torch.int16)
     out["future_len"] = torch.tensor([full_ids.shape[1] - n], dtype=torch.int32)
     return out
 
