@@ -6,15 +6,12 @@ import argparse
 import json
 import logging
 import math
-import time
 
-from ..modelfiles import load_model
+from ..modelfiles import add_load_arguments, load_from_args
 from .runner import check_method, evaluate, parse_budget, process_state
 from .tasks import TASKS
 
 log = logging.getLogger(__name__)
-
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def positive_int(text: str) -> int:
@@ -94,17 +91,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         help="compress the cache after the whole prompt (LLaVA's setting) or right after the image, "
         "before the question is read (question-agnostic; the first answer token sees the compressed cache)",
     )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPES,
-        help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16",
-    )
-    parser.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
-    )
+    add_load_arguments(parser, device=False)  # each process of a launch takes its own GPU
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -151,11 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_method(args.method, args.budget)  # a typo in the spec is reported before the model loads
-    t0 = time.perf_counter()
-    model, processor = load_model(
-        args.model, dtype=args.dtype, allow_pickle_weights=args.allow_pickle_weights
-    )
-    load_s = time.perf_counter() - t0
+    model, processor, load_s = load_from_args(args)
     results = evaluate(
         model,
         processor,

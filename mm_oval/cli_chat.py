@@ -17,7 +17,7 @@ from .chat import Chat
 from .config import OvalConfig
 from .errors import MmOvalError
 from .eval.runner import parse_budget
-from .modelfiles import load_model
+from .modelfiles import add_load_arguments, load_from_args
 from .prompts import load_image
 from .wrapper import wrap
 
@@ -48,15 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--stats", action="store_true", help="after each answer, print what the cache kept")
-    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: the GPU when there is one)")
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16"
-    )
-    parser.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
-    )
+    add_load_arguments(parser)
 
 
 def format_stats(stats: dict[str, Any]) -> str:
@@ -108,12 +100,7 @@ def _run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
     budget = parse_budget(args.budget)
     config = OvalConfig.from_spec(args.method, budget)  # bad specs fail before the model loads
     images = [load_image(p) for p in args.image]
-    model, processor = load_model(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        allow_pickle_weights=getattr(args, "allow_pickle_weights", False),
-    )
+    model, processor, _ = load_from_args(args)
     wrap(model, config)  # once for the session; the Chat uses this wrap's policies
     chat = Chat(model, processor, images=images, config=config, max_new_tokens=args.max_new_tokens)
 

@@ -22,10 +22,12 @@ data (dicts, lists, numbers, strings) come back; anything that would need pickle
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,37 @@ def load_model(
         attn_implementation=attn_implementation,
         allow_pickle_weights=allow_pickle_weights,
     )
+
+
+PICKLE_HELP = "load a model folder that has only pickled *.bin weights (safetensors is expected)"
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    """`load_model`'s options for a command that loads a model: --dtype, --allow-pickle-weights and, unless
+    the command places the model itself, --device."""
+    if device:
+        parser.add_argument(
+            "--device", default=None, help="cuda, cpu, ... (default: this process's GPU when there is one)"
+        )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16",
+    )
+    parser.add_argument(PICKLE_FLAG, action="store_true", help=PICKLE_HELP)
+
+
+def load_from_args(args: argparse.Namespace, model: str | None = None) -> tuple[Any, Any, float]:
+    """(model, processor, seconds to load) for a command's --model (or `model`) and `add_load_arguments`."""
+    t0 = time.perf_counter()
+    loaded = load_model(
+        model or args.model,
+        getattr(args, "device", None),
+        getattr(args, "dtype", "auto"),
+        allow_pickle_weights=args.allow_pickle_weights,
+    )
+    return (*loaded, time.perf_counter() - t0)
 
 
 def load_checkpoint(path: str | Path, what: str = "checkpoint") -> dict:

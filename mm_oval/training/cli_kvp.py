@@ -15,7 +15,7 @@ import argparse
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from ..modelfiles import load_model
+from ..modelfiles import add_load_arguments, load_from_args
 from ..policies.kvp import EXTRA_FEATURES
 from .kvp import PipelineConfig, TrainConfig, format_heldout, train
 
@@ -84,12 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
-    p.add_argument("--device", default=None, help="device for capture (default: cuda if available)")
-    p.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
-    )
+    add_load_arguments(p)
 
 
 def parse_features(text: str) -> tuple[str, ...]:
@@ -125,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     train_cfg = TrainConfig(
         steps=args.steps, batch_samples=args.batch, rankings=args.rankings, lr=args.lr, seed=args.seed
     )
-    model, processor = load_model(args.model, args.device, allow_pickle_weights=args.allow_pickle_weights)
+    model, processor, _ = load_from_args(args)
     bars: dict[str, tqdm] = {}
 
     def progress(stage: str, done: int, total: int, info: dict) -> None:

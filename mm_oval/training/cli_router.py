@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from ..errors import ConfigError
 from ..files import atomic_write_json
-from ..modelfiles import load_model
+from ..modelfiles import add_load_arguments, load_from_args
 from ..policies.router import load_router, save_router
 from .router import (
     OpenClipPageEncoder,
@@ -67,11 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is fastest for tiny models)"
     )
-    parser.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
-    )
+    add_load_arguments(parser, device=False)  # --device above: the router trains where the model is
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,9 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, processor = load_model(
-        args.model or "bundled", args.device, allow_pickle_weights=args.allow_pickle_weights
-    )
+    model, processor, _ = load_from_args(args, args.model or "bundled")
     encoder = None
     if args.clip_model:
         encoder = OpenClipPageEncoder(args.clip_model, args.clip_pretrained, args.device)
