@@ -8,6 +8,7 @@ import logging
 import math
 
 from ..modelfiles import add_load_arguments, load_from_args
+from ..prompts import COMPRESS_AT
 from .runner import check_method, evaluate, parse_budget, process_state
 from .tasks import TASKS
 
@@ -86,7 +87,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compress",
-        choices=("prompt", "image"),
+        choices=COMPRESS_AT,
         default="prompt",
         help="compress the cache after the whole prompt (LLaVA's setting) or right after the image, "
         "before the question is read (question-agnostic; the first answer token sees the compressed cache)",

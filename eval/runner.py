@@ -41,7 +41,7 @@ from ..config import OvalConfig
 from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..files import atomic_write_json, remove_stale_tmp
 from ..modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
-from ..prompts import chat_prompt, to_model
+from ..prompts import COMPRESS_AT, chat_prompt, to_model
 from ..stats import get_stats
 from ..wrapper import new_cache, prefill, unwrap, wrap
 from .files import JsonlAppender, iter_records, read_json
@@ -53,11 +53,6 @@ log = logging.getLogger(__name__)
 RUN_FORMAT = 2
 IDENTITY_KEYS = ("format", "task", "data", "data_options", "model", "dtype", "device", "weights", "method",
                  "budget", "limit", "max_new_tokens", "multi_turn", "compress")  # fmt: skip
-# where the cache is compressed: "prompt" = after the whole prompt (image + question) is prefilled, as
-# LLaVA evaluates; "image" = right after the image, before the question is read (question-agnostic: the
-# setting of an image cached once and asked about later; the first answer token is then computed on the
-# compressed cache too)
-COMPRESS_AT = ("prompt", "image")
 
 
 @dataclass

@@ -24,6 +24,11 @@ from .files import is_missing
 SHORT_ANSWER_PROMPT = "Answer the question using a single word or phrase."
 MMBENCH_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 OPTION_LETTERS = ("A", "B", "C", "D")
+# where the cache is compressed: "prompt" = after the whole prompt (image + question) is prefilled, as
+# LLaVA evaluates; "image" = right after the image, before the question is read (question-agnostic: the
+# setting of an image cached once and asked about later; the first answer token is then computed on the
+# compressed cache too). The harness's --compress and the traces' prompt end.
+COMPRESS_AT = ("prompt", "image")
 
 
 def is_none(cell: Any) -> bool:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ..errors import ConfigError
 from ..modelfiles import add_load_arguments, load_from_args
 from ..policies.kvp import EXTRA_FEATURES
+from ..prompts import COMPRESS_AT
 from .kvp import PipelineConfig, TrainConfig, format_heldout, train
 
 
@@ -77,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--compress",
-        choices=("prompt", "image"),
+        choices=COMPRESS_AT,
         default="prompt",
         help="where the traces' prompt ends: after the question (prompt) or right after the image (image: "
         "the question-agnostic setting of `eval --compress image`, the question counts as future)",

@@ -41,13 +41,11 @@ from ..files import atomic_write_bytes, atomic_write_text
 from ..image_tokens import grid_coords, tokens_per_image
 from ..policies.base import IMAGE, TEXT
 from ..policies.kvp import model_signature
+from ..prompts import COMPRESS_AT
 from ..zoo.generate import TrainSampler
 from ..zoo.vocab import COLORS, SHAPES
 
 logger = logging.getLogger(__name__)
-# where the cache is compressed, as the evaluation's --compress: after the whole prompt, or right after the
-# image (the question not yet read)
-COMPRESS_AT = ("prompt", "image")
 
 MANIFEST = "manifest.json"
 CAPTURE_ATTN = "mm_oval_kvp_capture"
