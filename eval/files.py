@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from PIL import Image
 
 from ..errors import DataError
@@ -161,7 +162,6 @@ def read_table(path: str | os.PathLike, what: str = "table") -> list[dict[str, A
     defaults: `read_csv(sep="\\t")`, `read_csv`, `read_excel`), as dicts keyed by the header. So numbers
     come back as int / float, and the cells pandas treats as missing (empty, "NA", "N/A", "NaN", "None",
     "null", ... its default `na_values`) come back as float NaN (see `is_missing`)."""
-    import pandas as pd
 
     path = Path(path)
     if not path.is_file():
