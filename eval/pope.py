@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import DataError
 from ..files import atomic_write_text
-from ..prompts import SHORT_ANSWER_PROMPT, load_image
+from ..prompts import SHORT_ANSWER_PROMPT, load_image, short_answer_prompt
 from .files import read_jsonl
 from .tasks import Item, Rule, Task
 from .vqa import find_image_dir
@@ -136,7 +136,7 @@ class POPETask(Task):
                 category = file_category or row.get("category") or "all"
                 if not isinstance(category, str):
                     raise DataError(f"{path}, line {lineno}: category {category!r} is not text")
-                prompt = text if SHORT_ANSWER_PROMPT in text else f"{text}\n{SHORT_ANSWER_PROMPT}"
+                prompt = text if SHORT_ANSWER_PROMPT in text else short_answer_prompt(text)
                 img = image_dir / image
                 items.append(
                     Item(

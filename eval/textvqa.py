@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import DataError
 from ..files import atomic_write_json
-from ..prompts import SHORT_ANSWER_PROMPT, load_image
+from ..prompts import load_image, short_answer_prompt
 from .files import read_json
 from .tasks import Item, Rule, Task, find_one
 from .vqa import (  # noqa: F401  (the EvalAI processor is TextVQA's normaliser; re-exported here)
@@ -128,7 +128,7 @@ class TextVQATask(Task):
             if ocr:
                 # LLaVA-1.5's TextVQA prompt with OCR tokens
                 prompt += "\nReference OCR token: " + ", ".join(ocr_tokens.get(str(image_id), []))
-            prompt += "\n" + SHORT_ANSWER_PROMPT
+            prompt = short_answer_prompt(prompt)
             img = image_dir / f"{image_id}.jpg"
             if not img.exists() and (image_dir / f"{image_id}.png").exists():
                 img = image_dir / f"{image_id}.png"

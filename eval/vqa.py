@@ -44,7 +44,7 @@ from typing import Any
 
 from ..errors import ConfigError, DataError
 from ..files import atomic_write_json
-from ..prompts import SHORT_ANSWER_PROMPT, load_image
+from ..prompts import load_image, short_answer_prompt
 from .files import read_json
 from .tasks import Item, Rule, Task, find_one
 
@@ -424,7 +424,7 @@ class VQAv2Task(Task):
             items.append(
                 Item(
                     id=str(qid),
-                    prompt=f"{question}\n{SHORT_ANSWER_PROMPT}",
+                    prompt=short_answer_prompt(question),
                     image=_image_loader(path),
                     meta=meta,
                     group=str(image_id),

@@ -36,6 +36,12 @@ def is_none(cell: Any) -> bool:
     return is_missing(cell) or (isinstance(cell, str) and cell.lower() in ("", "nan", "none"))
 
 
+def short_answer_prompt(question: str) -> str:
+    """LLaVA-1.5's prompt for a short-answer question (VQAv2, TextVQA, POPE): the question, then the
+    instruction on its own line."""
+    return f"{question}\n{SHORT_ANSWER_PROMPT}"
+
+
 def mmbench_prompt(question: Any, hint: Any, options: list[Any]) -> str:
     """LLaVA-1.5's MMBench prompt (without the image token, which the chat template adds); `options` are
     the option texts in letter order, up to the first missing one."""
@@ -47,7 +53,9 @@ def mmbench_prompt(question: Any, hint: Any, options: list[Any]) -> str:
     return f"{text}\n{MMBENCH_INSTRUCTION}"
 
 
-def chat_prompt(processor: Any, text: str, history: list[tuple[str, str]] | None = None, images: int = 1) -> str:
+def chat_prompt(
+    processor: Any, text: str, history: list[tuple[str, str]] | None = None, images: int = 1
+) -> str:
     """The model's chat template around the conversation `history` ((question, answer) pairs) and `text`,
     with `images` image entries in the first user turn (LLaVA-1.5, one image, no history:
     "USER: <image>\\n{text} ASSISTANT:", also without a chat template)."""

@@ -20,8 +20,9 @@ from PIL import Image
 
 from ..errors import DataError
 from ..modelfiles import load_llava
+from ..prompts import chat_prompt, short_answer_prompt
 from . import bundled_data_dir, bundled_model_path
-from .generate import BACKGROUND, GRID, IMAGE_SIZE, VQA_SUFFIX, image_name
+from .generate import BACKGROUND, GRID, IMAGE_SIZE, image_name
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +55,7 @@ def first_token_answers(model, processor, items: list[dict], data_dir: Path, bla
     preds, attn = [], []
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        prompts = [
-            processor.apply_chat_template(
-                [
-                    {
-                        "role": "user",
-                        "content": [{"type": "image"}, {"type": "text", "text": it["question"] + VQA_SUFFIX}],
-                    }
-                ],
-                add_generation_prompt=True,
-            )
-            for it in chunk
-        ]
+        prompts = [chat_prompt(processor, short_answer_prompt(it["question"])) for it in chunk]
         if blank:
             images = [Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND) for _ in chunk]
         else:

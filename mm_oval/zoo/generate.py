@@ -27,7 +27,13 @@ from PIL import Image, ImageDraw
 
 from ..errors import ConfigError
 from ..files import atomic_write_bytes, atomic_write_text
-from ..prompts import MMBENCH_INSTRUCTION, OPTION_LETTERS, SHORT_ANSWER_PROMPT, mmbench_prompt
+from ..prompts import (
+    MMBENCH_INSTRUCTION,
+    OPTION_LETTERS,
+    SHORT_ANSWER_PROMPT,
+    mmbench_prompt,
+    short_answer_prompt,
+)
 from .vocab import COLORS, NUMBER_WORDS, SHAPES
 
 log = logging.getLogger(__name__)
@@ -152,7 +158,7 @@ class Question:
         return mmbench_prompt(self.text, self.hint, self.options)
 
     def vqa_prompt(self) -> str:
-        return self.text + VQA_SUFFIX
+        return short_answer_prompt(self.text)
 
 
 def _cells(objs: list[Obj]) -> list[tuple[int, int]]:
