@@ -11,6 +11,7 @@ agents land in out/ (kvp_agents.safetensors + kvp_config.json) and load with
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from tqdm.auto import tqdm
 
@@ -99,25 +100,10 @@ def parse_features(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = PipelineConfig(
-        data=args.data,
-        heldout_data=args.heldout_data,
-        samples=args.samples,
-        heldout_samples=args.heldout_samples,
-        followups=args.followups,
-        answer=args.answer,
-        store_queries=not args.no_queries,
-        shard_size=args.shard_size,
-        compress=args.compress,
-        seed=args.seed,
-        proj=args.proj,
-        hidden=args.hidden,
-        features=parse_features(args.features),
-        shared=args.shared,
-        joint_heads=args.joint_heads,
-        sinks=args.sinks,
-        recent=args.recent,
-    )
+    # the options are named as the pipeline's fields, but for the two that need translating
+    same = {f.name: getattr(args, f.name) for f in fields(PipelineConfig) if hasattr(args, f.name)}
+    same["features"] = parse_features(args.features)
+    cfg = PipelineConfig(**same, store_queries=not args.no_queries)
     train_cfg = TrainConfig(
         steps=args.steps, batch_samples=args.batch, rankings=args.rankings, lr=args.lr, seed=args.seed
     )
