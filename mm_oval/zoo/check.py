@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
-from ..modelfiles import load_llava
+from ..modelfiles import load_model
 from ..prompts import chat_prompt, short_answer_prompt
 from . import bundled_data_dir, bundled_model_path
 from .generate import BACKGROUND, GRID, IMAGE_SIZE, image_name
@@ -86,7 +86,7 @@ def grounding_report(model_path: str | Path | None = None, data_dir: str | Path 
     items = load_vqa_items(data_dir, limit)
     if model is None:
         model_path = Path(model_path) if model_path else bundled_model_path()
-        model, processor = load_llava(model_path, attn_implementation="eager")
+        model, processor = load_model(model_path, "cpu", attn_implementation="eager")
     preds, attn = first_token_answers(model, processor, items, data_dir, want_attention=True)
     blank_preds, _ = first_token_answers(model, processor, items, data_dir, blank=True)
 
