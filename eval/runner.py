@@ -568,16 +568,21 @@ def evaluate(
     processor: Any,
     task: str | Task,
     data: str | Path,
-    options: EvalOptions | None = None,
+    *args: Any,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """Evaluate `model` on a task and return the results dict (on every rank). The options are an
-    `EvalOptions` or its fields as keywords (`method=`, `budget=`, `out_dir=`, ...). With `out_dir`,
-    predictions are appended per rank as they come (a rerun resumes) and rank 0 writes results.json
-    atomically."""
-    if options is not None and kwargs:
-        raise TypeError("evaluate takes an EvalOptions or its fields as keywords, not both")
-    return Evaluation(model, processor, task, data, options or EvalOptions(**kwargs)).run()
+    """Evaluate `model` on a task and return the results dict (on every rank). The options are one
+    `EvalOptions` (positional or `options=`) or its fields, in its order or as keywords (`method=`,
+    `budget=`, `out_dir=`, ...). With `out_dir`, predictions are appended per rank as they come (a rerun
+    resumes) and rank 0 writes results.json atomically."""
+    options = kwargs.pop("options", None)
+    if options is None and len(args) == 1 and isinstance(args[0], EvalOptions):
+        options, args = args[0], ()
+    if options is None:
+        options = EvalOptions(*args, **kwargs)
+    elif args or kwargs:
+        raise TypeError("evaluate takes an EvalOptions or its fields, not both")
+    return Evaluation(model, processor, task, data, options).run()
 
 
 @dataclass

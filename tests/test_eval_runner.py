@@ -400,7 +400,14 @@ def test_options_as_an_object_give_the_same_run_as_keywords(loaded, vqa_dir, tmp
     opts = EvalOptions(batch_size=1, out_dir=tmp_path / "opts", max_new_tokens=6, progress=False)
     r2 = evaluate(model, processor, "vqav2", vqa_dir, opts)
     assert _comparable(r2) == _comparable(r1) and _preds(tmp_path / "opts") == _preds(b1)
-    assert json.loads((tmp_path / "opts" / "run.json").read_text()) == json.loads((b1 / "run.json").read_text())
+    assert json.loads((tmp_path / "opts" / "run.json").read_text()) == json.loads(
+        (b1 / "run.json").read_text()
+    )
+    r3 = evaluate(model, processor, "vqav2", vqa_dir, options=EvalOptions(max_new_tokens=6, progress=False))
+    assert _comparable(r3) == _comparable(r1)
+    # the fields in their order, as evaluate's parameters were
+    r4 = evaluate(model, processor, "vqav2", vqa_dir, "full", None, None, 1, 6, progress=False)
+    assert _comparable(r4) == _comparable(r1)
     with pytest.raises(TypeError, match="not both"):
         evaluate(model, processor, "vqav2", vqa_dir, opts, limit=2)
     with pytest.raises(TypeError):

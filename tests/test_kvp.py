@@ -408,7 +408,9 @@ def test_train_kvp_command_smoke_run(tiny_random_llava, tmp_path):
     assert main(argv) == 0  # everything resumes: nothing is captured or trained twice
 
 
-def test_the_pipeline_is_a_library_call_and_its_baselines_are_the_registered_policies(tiny_random_llava, tmp_path):
+def test_the_pipeline_is_a_library_call_and_its_baselines_are_the_registered_policies(
+    tiny_random_llava, tmp_path
+):
     from mm_oval.policies.base import make_eviction
     from mm_oval.training.kvp import HELDOUT_BASELINES, PipelineConfig, heldout_table, policy_scorer, train
     from mm_oval.training.traces import load_traces
