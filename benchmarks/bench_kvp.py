@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from mm_oval.modelfiles import load_model
 from mm_oval.policies.base import Rope, make_eviction, topk_mask
 from mm_oval.policies.budgets import pyramid_counts, shared_head_keep
 from mm_oval.policies.kvp_agents import KVPAgentConfig
@@ -130,12 +131,6 @@ def kvzip_scorer(model, processor, held: list[dict], heldout: str, followups: in
     return lambda trace, layer: scores[trace["sample_id"]][layer]
 
 
-def load_model(spec: str):
-    from mm_oval.training.cli_kvp import load_model as _load
-
-    return _load(spec, "cpu")
-
-
 def scoring_cost(model, processor, agents, samples, reps: int = 5) -> dict:
     """Median wall time of one prefill (the model's forward over the prompt) and of KVP scoring every layer's
     KV heads for that prompt, measured alternately in one run; plus the FLOP ratio of the two."""
@@ -208,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     loaded = load_agents(args.agents or bundled_agents_path())
-    model, processor = load_model(args.model)
+    model, processor = load_model(args.model, "cpu")
     from mm_oval.policies.signature import check_signature, model_signature
 
     check_signature(loaded.model, model_signature(model), loaded.source)

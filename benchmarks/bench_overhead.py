@@ -24,14 +24,13 @@ Configurations alternate within each repeat (machine load hits them alike); medi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from mm_oval.files import atomic_write_json
 from mm_oval.policies.base import (
     IMAGE,
     TEXT,
@@ -359,9 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 {"phase": p, "part": n, "part_s": a, "layer_s": b, "ratio": a / b} for p, n, a, b in rows
             ],
         }
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(payload, indent=1))
-        tmp.replace(args.out)
+        atomic_write_json(args.out, payload, indent=1)
     return 0
 
 

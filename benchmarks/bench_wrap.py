@@ -17,11 +17,8 @@ decode slots, page summaries, slot/page tables, method state) against the plain 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -29,7 +26,10 @@ from PIL import Image
 
 import mm_oval
 from mm_oval.config import OvalConfig
+from mm_oval.files import atomic_write_json
+from mm_oval.modelfiles import load_model, resolve_model_path
 from mm_oval.stats import get_stats
+from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava
 
 # a random LLaVA of LLaVA-1.5's prompt length (336 px, patch 14: 576 image tokens) and a mid-sized LM
 MID = dict(image_size=336, patch_size=14, vision_hidden=256, vision_layers=2, vision_heads=4, text_hidden=1024,
@@ -37,26 +37,17 @@ MID = dict(image_size=336, patch_size=14, vision_hidden=256, vision_layers=2, vi
 
 
 def load(model_dir: str | None, device: str, dtype: torch.dtype, shape: str = "tiny"):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
     if shape == "mid":
-        from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava
-
         model, processor = build_tiny_llava(seed=0, sizes=TinyLlavaSizes(**MID))
         return model.to(device=device, dtype=dtype), processor, "random LLaVA, 576 image tokens, LM 1024x8"
-
-    if model_dir is None:
-        try:
-            from mm_oval.zoo import bundled_model_path
-
-            model_dir = str(bundled_model_path())
-        except mm_oval.MmOvalError:
-            from mm_oval.zoo.model import build_tiny_llava
-
-            model, processor = build_tiny_llava(seed=0)
-            return model.to(device=device, dtype=dtype), processor, "tiny random LLaVA"
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    return model, AutoProcessor.from_pretrained(model_dir), model_dir
+    try:
+        model, processor = load_model(model_dir or "bundled", device, dtype)
+    except mm_oval.MmOvalError:
+        if model_dir is not None:
+            raise
+        model, processor = build_tiny_llava(seed=0)  # an install without the bundled checkpoint
+        return model.to(device=device, dtype=dtype), processor, "tiny random LLaVA"
+    return model, processor, resolve_model_path(model_dir or "bundled")
 
 
 def make_inputs(processor, batch: int, device: str, image_size: int):
@@ -194,11 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "rows": rows,
         }
-        d = os.path.dirname(os.path.abspath(args.out))
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-        os.replace(tmp, args.out)
+        atomic_write_json(args.out, payload)
     return 0
 
 

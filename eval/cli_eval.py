@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
+import math
 
+from ..modelfiles import add_load_arguments, load_from_args
+from ..prompts import COMPRESS_AT
+from .runner import check_method, evaluate, parse_budget, process_state
 from .tasks import TASKS
 
 log = logging.getLogger(__name__)
-
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def positive_int(text: str) -> int:
@@ -27,9 +28,6 @@ def positive_int(text: str) -> int:
 
 def budget_value(text: str) -> float | int:
     """argparse type of --budget: a fraction in (0, 1] or a token count >= 1 (the method checks the rest)."""
-    import math
-
-    from .runner import parse_budget
 
     try:
         value = parse_budget(text)
@@ -89,22 +87,12 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compress",
-        choices=("prompt", "image"),
+        choices=COMPRESS_AT,
         default="prompt",
         help="compress the cache after the whole prompt (LLaVA's setting) or right after the image, "
         "before the question is read (question-agnostic; the first answer token sees the compressed cache)",
     )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPES,
-        help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16",
-    )
-    parser.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
-    )
+    add_load_arguments(parser, device=False)  # each process of a launch takes its own GPU
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -150,14 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runner import check_method, evaluate, load_model
-
     check_method(args.method, args.budget)  # a typo in the spec is reported before the model loads
-    t0 = time.perf_counter()
-    model, processor = load_model(
-        args.model, dtype=args.dtype, allow_pickle_weights=args.allow_pickle_weights
-    )
-    load_s = time.perf_counter() - t0
+    model, processor, load_s = load_from_args(args)
     results = evaluate(
         model,
         processor,
@@ -170,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
         extra_timings={"model_load_s": load_s},
         rules=args.rules,
     )
-    from .runner import process_state
 
     if process_state().is_main_process:
         print_summary(results)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .cli_eval import add_data_arguments, add_rules_argument, data_options, print_summary
+from .runner import score_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runner import score_file
-
     results = score_file(args.task, args.data, args.predictions, out=args.out, limit=args.limit,
                          data_options=data_options(args), rules=args.rules)  # fmt: skip
     print_summary(results)

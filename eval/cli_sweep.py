@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import time
 
+from ..modelfiles import load_from_args
 from .cli_eval import add_data_arguments, add_generation_arguments, add_rules_argument, generation_options
+from .runner import process_state
+from .sweep import check_cells, markdown_table, parse_budgets, parse_methods, run_sweep
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,17 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runner import load_model, process_state
-    from .sweep import check_cells, parse_budgets, parse_methods, run_sweep
-
     methods = parse_methods(args.methods)
     budgets = parse_budgets(args.budgets)
     check_cells(None, [(m, b) for m in methods if m != "full" for b in budgets])  # before the model loads
-    t0 = time.perf_counter()
-    model, processor = load_model(
-        args.model, dtype=args.dtype, allow_pickle_weights=args.allow_pickle_weights
-    )
-    load_s = time.perf_counter() - t0
+    model, processor, load_s = load_from_args(args)
     summary = run_sweep(
         model,
         processor,
@@ -55,8 +50,6 @@ def run(args: argparse.Namespace) -> int:
         rules=args.rules,
     )
     if process_state().is_main_process:
-        from .sweep import markdown_table
-
         print(markdown_table(summary))
         print(f"table: {args.out}/sweep.md  plot: {args.out}/sweep.png")
     return 0

@@ -1,5 +1,6 @@
-"""File helpers shared by the tasks and the runner: atomic writes, crash-safe JSONL appends, tables
-(TSV / CSV / XLSX, read with pandas as the official tools read them) and images, each failing with a `DataError` that names the file and the row."""
+"""The harness's readers: crash-safe JSONL appends, tables (TSV / CSV / XLSX, read with pandas as the
+official tools read them) and images, each failing with a `DataError` that names the file and the row.
+Files are written with the library's atomic writers (`mm_oval.files`)."""
 
 from __future__ import annotations
 
@@ -8,83 +9,22 @@ import csv
 import io
 import json
 import logging
-import math
 import os
-import re
-import secrets
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from PIL import Image
 
 from ..errors import DataError
+from ..files import atomic_write_json, atomic_write_text, is_missing  # noqa: F401 (the lmms plugin's writer)
 
 log = logging.getLogger(__name__)
 
 # base64 images make MMBench cells far longer than csv's default limit
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and `os.replace`, so a
-    reader never sees a half-written file and a crash leaves the previous version intact. The file gets
-    the user's usual permissions (0666 less the umask), like any file the user creates; a temporary file
-    left behind by a killed writer is removed by `remove_stale_tmp`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}"
-        try:
-            # os.open applies the umask to 0o666 (tempfile.mkstemp would make it 0600)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """`atomic_write_bytes` of `text` in UTF-8."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-TMP_SUFFIX = ".tmp"
-# `.{name}.{random}.tmp`: the temporary files of `atomic_write_text` (and of tempfile.mkstemp, used before)
-_TMP_NAME = re.compile(r"^\..+\.[A-Za-z0-9_]{6,}\.tmp$")
-
-
-def remove_stale_tmp(folder: str | os.PathLike) -> list[str]:
-    """Delete the temporary files an interrupted `atomic_write_text` left in `folder`; return their names.
-    Only call it while no other process writes into the folder (the runner holds the folder's lock)."""
-    removed = []
-    folder = Path(folder)
-    if not folder.is_dir():
-        return removed
-    for f in folder.iterdir():
-        if _TMP_NAME.match(f.name) and f.is_file():
-            try:
-                f.unlink()
-            except FileNotFoundError:
-                continue
-            removed.append(f.name)
-    if removed:
-        log.info("%s: removed %d temporary file(s) of an interrupted write", folder, len(removed))
-    return removed
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
 
 
 def _not_utf8(what: str, path: Path, e: UnicodeDecodeError) -> DataError:
@@ -222,7 +162,6 @@ def read_table(path: str | os.PathLike, what: str = "table") -> list[dict[str, A
     defaults: `read_csv(sep="\\t")`, `read_csv`, `read_excel`), as dicts keyed by the header. So numbers
     come back as int / float, and the cells pandas treats as missing (empty, "NA", "N/A", "NaN", "None",
     "null", ... its default `na_values`) come back as float NaN (see `is_missing`)."""
-    import pandas as pd
 
     path = Path(path)
     if not path.is_file():
@@ -246,15 +185,6 @@ def read_table(path: str | os.PathLike, what: str = "table") -> list[dict[str, A
     return [{str(k): v for k, v in row.items()} for row in frame.to_dict("records")]
 
 
-def is_missing(cell: Any) -> bool:
-    """`pandas.isna` on one cell of `read_table`: what the official tools treat as an empty cell."""
-    if cell is None:
-        return True
-    if isinstance(cell, float):
-        return math.isnan(cell)
-    return type(cell).__name__ in ("NAType", "NaTType")
-
-
 def write_table(path: str | os.PathLike, rows: Iterable[dict], columns: list[str]) -> None:
     """Write rows as a TSV (atomically)."""
     buf = io.StringIO()
@@ -263,17 +193,6 @@ def write_table(path: str | os.PathLike, rows: Iterable[dict], columns: list[str
     for r in rows:
         w.writerow(["" if r.get(c) is None else r.get(c) for c in columns])
     atomic_write_text(path, buf.getvalue())
-
-
-def open_image(path: str | os.PathLike) -> Image.Image:
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"image not found: {path}")
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except Exception as e:
-        raise DataError(f"image {path} could not be decoded: {e}") from e
 
 
 def decode_base64_image(payload: str, where: str) -> Image.Image:

@@ -10,7 +10,8 @@ Tables are read as the official tools read them: pandas with its defaults (`read
 - Prompt (LLaVA-1.5, `model_vqa_mmbench.py --single-pred-prompt`): hint + "\\n" + question when the
   hint is present, then "\\nA. option" for each option up to the first missing one, then
   "\\nAnswer with the option's letter from the given choices directly.". "Missing" is LLaVA's `is_none`:
-  a missing cell, or text that lowercases to "nan" or "none".
+  a missing cell, or text that lowercases to "nan" or "none". The prompt and the rule are the library's
+  (`mm_oval.prompts.mmbench_prompt`), which the bundled model's training data use too.
 - Scoring, one rule `opencompass` (open-compass/opencompass 6ca2be6, tools/eval_mmbench.py, which
   lmms-eval's MMBench evaluator copies), without the GPT judge:
   - the options are the cells pandas does not read as missing (`build_choices`), so an option whose
@@ -39,13 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from .files import decode_base64_image, is_missing, read_table, write_table
+from ..files import is_missing
+from ..prompts import OPTION_LETTERS, is_none, mmbench_prompt
+from .files import decode_base64_image, read_table, write_table
 from .tasks import Item, Rule, Task, find_one
 
 log = logging.getLogger(__name__)
 
-OPTION_LETTERS = ["A", "B", "C", "D"]
-INSTRUCTION = "Answer with the option's letter from the given choices directly."
 ROTATION = 1_000_000
 FAILED_API = "Failed to obtain answer via API"
 MMBENCH_RULES = (
@@ -63,19 +64,8 @@ WRAPPERS = [
 ]  # fmt: skip
 
 
-def is_none(cell: Any) -> bool:
-    """LLaVA's `is_none` on a pandas-read cell: missing, or text that lowercases to 'nan' or 'none'."""
-    return is_missing(cell) or (isinstance(cell, str) and cell.lower() in ("nan", "none"))
-
-
-def build_prompt(question: str, hint: Any, options: list[Any]) -> str:
-    """LLaVA-1.5's MMBench prompt (without the image token, which the chat template adds)."""
-    text = str(question)
-    if not is_none(hint):
-        text = f"{hint}\n{text}"
-    for letter, option in zip(OPTION_LETTERS, options):
-        text += f"\n{letter}. {option}"
-    return f"{text}\n{INSTRUCTION}"
+# the task's prompt, the library's (as lmms-eval task files import it from here)
+build_prompt = mmbench_prompt
 
 
 def _index(value: Any, where: str) -> int:

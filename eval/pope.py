@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from .files import atomic_write_text, open_image, read_jsonl
-from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task
+from ..files import atomic_write_text
+from ..prompts import SHORT_ANSWER_PROMPT, load_image, short_answer_prompt
+from .files import read_jsonl
+from .tasks import Item, Rule, Task
 from .vqa import find_image_dir
 
 log = logging.getLogger(__name__)
@@ -134,13 +136,13 @@ class POPETask(Task):
                 category = file_category or row.get("category") or "all"
                 if not isinstance(category, str):
                     raise DataError(f"{path}, line {lineno}: category {category!r} is not text")
-                prompt = text if SHORT_ANSWER_PROMPT in text else f"{text}\n{SHORT_ANSWER_PROMPT}"
+                prompt = text if SHORT_ANSWER_PROMPT in text else short_answer_prompt(text)
                 img = image_dir / image
                 items.append(
                     Item(
                         id=f"{file_category}/{qid}" if file_category else str(qid),
                         prompt=prompt,
-                        image=(lambda p=img: open_image(p)),
+                        image=(lambda p=img: load_image(p)),
                         meta={"label": str(label).lower(), "category": category, "question_id": qid},
                         group=str(image),
                     )

@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -31,9 +32,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
+from ..config import OvalConfig
 from ..errors import ConfigError, DataError, ModelError, ResultsError
-from .files import JsonlAppender, atomic_write_json, iter_records, read_json, remove_stale_tmp
+from ..files import atomic_write_json, remove_stale_tmp
+from ..modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
+from ..prompts import COMPRESS_AT, chat_prompt, to_model
+from ..stats import get_stats
+from ..wrapper import new_cache, prefill, unwrap, wrap
+from .files import JsonlAppender, iter_records, read_json
 from .tasks import Item, Task, get_task, resolve_data
 
 log = logging.getLogger(__name__)
@@ -42,11 +53,6 @@ log = logging.getLogger(__name__)
 RUN_FORMAT = 2
 IDENTITY_KEYS = ("format", "task", "data", "data_options", "model", "dtype", "device", "weights", "method",
                  "budget", "limit", "max_new_tokens", "multi_turn", "compress")  # fmt: skip
-# where the cache is compressed: "prompt" = after the whole prompt (image + question) is prefilled, as
-# LLaVA evaluates; "image" = right after the image, before the question is read (question-agnostic: the
-# setting of an image cached once and asked about later; the first answer token is then computed on the
-# compressed cache too)
-COMPRESS_AT = ("prompt", "image")
 
 
 @dataclass
@@ -80,8 +86,6 @@ class RunConfig:
 def process_state() -> Any:
     """accelerate's process state. Without a GPU the processes of a launch (torchrun-style env vars)
     talk over gloo on the CPU; accelerate only does that when told it is on the CPU."""
-    from accelerate import PartialState
-
     return PartialState(cpu=not torch.cuda.is_available())
 
 
@@ -102,40 +106,6 @@ def parse_budget(raw: str | float | int | None) -> float | int | None:
         raise ConfigError(
             f"budget {raw!r} is neither a fraction like 0.25 nor a token count like 64"
         ) from None
-
-
-def load_model(
-    model: str,
-    device: str | torch.device | None = None,
-    dtype: str = "auto",
-    attn_implementation: str | None = None,
-    allow_pickle_weights: bool = False,
-) -> tuple[Any, Any]:
-    """The model and processor of a local folder or Hub id (`bundled` = the bundled tiny LLaVA), through the
-    project's checked loader (`mm_oval.modelfiles.load_llava`): non-LLaVA models are rejected before any
-    weights are built; missing or truncated weights and processor files are a ModelError; a folder with only
-    pickled `*.bin` weights needs `allow_pickle_weights`."""
-    from mm_oval.modelfiles import load_llava
-
-    if device is None:
-        device = process_state().device
-    device = torch.device(device)
-    if dtype == "auto":
-        torch_dtype = torch.float16 if device.type == "cuda" else torch.float32
-    else:
-        try:
-            torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-                dtype
-            ]
-        except KeyError:
-            raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, float16, bfloat16") from None
-    return load_llava(
-        model,
-        device,
-        torch_dtype,
-        attn_implementation=attn_implementation,
-        allow_pickle_weights=allow_pickle_weights,
-    )
 
 
 def check_llava(model: Any) -> None:
@@ -209,12 +179,6 @@ def check_method(method: str, budget: float | int | None) -> Any:
         if budget not in (None, 1, 1.0):
             raise ConfigError("--budget applies to compressed methods; method 'full' keeps the whole cache")
         return None
-    try:
-        from mm_oval.config import OvalConfig
-    except ImportError as e:
-        raise ConfigError(
-            f"method {method!r} needs mm_oval.wrap, which this install lacks; only 'full' is available ({e})"
-        ) from e
     return OvalConfig.from_spec(method, budget)
 
 
@@ -225,24 +189,18 @@ def apply_method(model: Any, method: str, budget: float | int | None) -> bool:
     config = check_method(method, budget)
     if config is None:
         return False
-    import mm_oval
-
-    mm_oval.wrap(model, config=config)
+    wrap(model, config=config)
     return True
 
 
 def remove_method(model: Any) -> None:
-    import mm_oval
-
-    mm_oval.unwrap(model)
+    unwrap(model)
 
 
 def _kv_stats(model: Any) -> dict[str, Any] | None:
     if getattr(model, "_mm_oval", None) is None:
         return None
     try:
-        from mm_oval.stats import get_stats
-
         s = get_stats(model)
     except Exception as e:  # stats are a report, never a reason to lose an evaluation
         log.debug("no KV stats: %s", e)
@@ -285,39 +243,9 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
 # ---------------------------------------------------------------- generation
 
 
-def chat_prompt(processor: Any, text: str, history: list[tuple[str, str]] | None = None) -> str:
-    """The model's chat template around an image and `text` (LLaVA-1.5: "USER: <image>\\n{text} ASSISTANT:")."""
-    messages: list[dict] = []
-    for i, (q, a) in enumerate(history or []):
-        content = [{"type": "text", "text": q}]
-        if i == 0:
-            content.insert(0, {"type": "image"})
-        messages += [
-            {"role": "user", "content": content},
-            {"role": "assistant", "content": [{"type": "text", "text": a}]},
-        ]
-    content = [{"type": "text", "text": text}]
-    if not history:
-        content.insert(0, {"type": "image"})
-    messages.append({"role": "user", "content": content})
-    if getattr(processor, "chat_template", None):
-        return processor.apply_chat_template(messages, add_generation_prompt=True)
-    if history:
-        raise ConfigError("multi-turn evaluation needs a processor with a chat template")
-    return f"USER: <image>\n{text} ASSISTANT:"
-
-
 def _model_inputs(processor: Any, model: Any, images: list, texts: list[str]) -> dict[str, torch.Tensor]:
     processor.tokenizer.padding_side = "left"
-    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
-    out = {}
-    for k, v in inputs.items():
-        if isinstance(v, torch.Tensor):
-            v = v.to(model.device)
-            if v.is_floating_point():
-                v = v.to(model.dtype)
-            out[k] = v
-    return out
+    return to_model(processor(images=images, text=texts, return_tensors="pt", padding=True), model)
 
 
 def _gen_kwargs(processor: Any, max_new_tokens: int) -> dict[str, Any]:
@@ -358,8 +286,6 @@ def generate_image_first(
     cache there), then `generate` continues on that cache with the question. Items are grouped by prompt
     length so no padding falls between the two parts; the result does not depend on the grouping. Each
     group is one request: a wrapped model's KV figures of every one are appended to `kv_rows`."""
-    from collections import defaultdict
-
     tok = processor.tokenizer
     kw = _gen_kwargs(processor, max_new_tokens)
     wrapped = getattr(model, "_mm_oval", None) is not None
@@ -390,12 +316,8 @@ def generate_image_first(
         }
         with torch.inference_mode():
             if wrapped:
-                from mm_oval.wrapper import prefill
-
                 cache = prefill(model, **head)
             else:
-                from transformers import DynamicCache
-
                 cache = DynamicCache(config=model.config.get_text_config())
                 model(**head, cache=cache, use_cache=True)
             seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
@@ -418,12 +340,8 @@ def generate_conversation(
     tok = processor.tokenizer
     kw = _gen_kwargs(processor, max_new_tokens)
     if getattr(model, "_mm_oval", None) is not None:
-        from mm_oval.wrapper import new_cache
-
         cache = new_cache(model)
     else:
-        from transformers import DynamicCache
-
         cache = DynamicCache(config=model.config.get_text_config())
     marker = "\u2063MMOVAL-ANSWER\u2063"
     history: list[tuple[str, str]] = []
@@ -581,8 +499,6 @@ def claim_folder(out_dir: Path, state: Any, check: Callable[[], None] | None = N
                 lock = None
             error = e
     if state.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
         error = broadcast_object_list([error], from_process=0)[0]
     if error is not None:
         raise error
@@ -630,135 +546,190 @@ def _check_count(name: str, value: Any, required: bool = False) -> None:
         raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
+@dataclass
+class EvalOptions:
+    """How `evaluate` runs a task: the method and its budget, which items, how they are generated, where
+    the predictions go. (What defines the run, the resumable identity, is the `RunConfig` built from it.)"""
+
+    method: str = "full"  # "full" (the plain model) or a method spec for `mm_oval.wrap`
+    budget: float | int | str | None = None  # a fraction like 0.25 or a token count like 64
+    limit: int | None = None  # the first N items
+    batch_size: int = 1
+    max_new_tokens: int | None = None  # default: the task's
+    out_dir: str | Path | None = None  # per-rank predictions (resumable), run.json, results.json
+    multi_turn: int | None = None  # ask up to K questions about one image in one conversation
+    compress: str = "prompt"  # COMPRESS_AT
+    model_name: str | None = None  # recorded instead of config._name_or_path
+    progress: bool = True
+    data_options: dict[str, Any] | None = None  # the task loader's options (e.g. a POPE split)
+    extra_timings: dict[str, float] | None = None  # e.g. the model's load time, added to the timings
+    rules: str | None = None  # the scoring rule; default: the task's
+
+
 def evaluate(
     model: Any,
     processor: Any,
     task: str | Task,
     data: str | Path,
-    method: str = "full",
-    budget: float | int | str | None = None,
-    limit: int | None = None,
-    batch_size: int = 1,
-    max_new_tokens: int | None = None,
-    out_dir: str | Path | None = None,
-    multi_turn: int | None = None,
-    compress: str = "prompt",
-    model_name: str | None = None,
-    progress: bool = True,
-    data_options: dict[str, Any] | None = None,
-    extra_timings: dict[str, float] | None = None,
-    rules: str | None = None,
+    *args: Any,
+    **kwargs: Any,
 ) -> dict[str, Any]:
-    """Evaluate `model` on a task and return the results dict (on every rank). With `out_dir`, predictions
-    are appended per rank as they come (a rerun resumes) and rank 0 writes results.json atomically."""
-    from accelerate.utils import gather_object
+    """Evaluate `model` on a task and return the results dict (on every rank). The options are one
+    `EvalOptions` (positional or `options=`) or its fields, in its order or as keywords (`method=`,
+    `budget=`, `out_dir=`, ...). With `out_dir`, predictions are appended per rank as they come (a rerun
+    resumes) and rank 0 writes results.json atomically."""
+    options = kwargs.pop("options", None)
+    if options is None and len(args) == 1 and isinstance(args[0], EvalOptions):
+        options, args = args[0], ()
+    if options is None:
+        options = EvalOptions(*args, **kwargs)
+    elif args or kwargs:
+        raise TypeError("evaluate takes an EvalOptions or its fields, not both")
+    return Evaluation(model, processor, task, data, options).run()
 
-    t_start = time.perf_counter()
-    state = process_state()
-    rank, world = state.process_index, state.num_processes
-    check_llava(model)
-    task_obj = get_task(task) if isinstance(task, str) else task
-    task_obj.rule(rules)  # the scoring rule (recorded in scores["rules"]); an unknown name fails here
-    # every argument is checked before anything is written: a typo must not leave a run.json behind that
-    # refuses the corrected command
-    budget = parse_budget(budget)
-    _check_count("--batch-size", batch_size, required=True)
-    _check_count("--limit", limit)
-    _check_count("--max-new-tokens", max_new_tokens)
-    _check_count("--multi-turn", multi_turn)
-    if compress not in COMPRESS_AT:
-        raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {compress!r}")
-    if compress == "image" and multi_turn:
-        raise ConfigError(
-            "compress='image' is for single questions; multi-turn already asks after compression"
+
+@dataclass
+class _Generated:
+    """One rank's part of a run: its records (resumed and new) and how long generating the new ones took."""
+
+    records: dict[str, dict]
+    new_items: int
+    generate_s: float
+
+
+@dataclass
+class _Gathered:
+    """Every rank's records by id, and per rank its counts and generate time."""
+
+    records: dict[str, dict]
+    per_rank: dict[str, dict]
+
+    @property
+    def predictions(self) -> dict[str, str]:
+        return {i: rec["prediction"] for i, rec in self.records.items()}
+
+
+class Evaluation:
+    """One evaluation, in the order it happens: `load` (check every argument, read the items: nothing is
+    written before this passes), `plan` (this rank's work units and batches), `generate` (the batches not
+    done yet, appended to the rank's predictions file), `gather` (every rank's records), `score` (the
+    results dict), `write` (official predictions and results.json, rank 0). `run` does them all, with the
+    model wrapped for the method and the output folder locked in between."""
+
+    def __init__(self, model: Any, processor: Any, task: str | Task, data: str | Path, options: EvalOptions):
+        self.model, self.processor, self.options = model, processor, options
+        self.task_arg, self.data_arg = task, data
+        self.state = process_state()
+        self.rank, self.world = self.state.process_index, self.state.num_processes
+        self.out = Path(options.out_dir) if options.out_dir is not None else None
+
+    def run(self) -> dict[str, Any]:
+        t_start = time.perf_counter()
+        self.load()
+        self.plan()
+        o = self.options
+        # wrapping checks what the spec alone cannot (agents trained for another model) before the folder is
+        # claimed and run.json written
+        wrapped = apply_method(self.model, o.method, self.budget)
+        lock: FolderLock | None = None
+        try:
+            done: dict[str, dict] = {}
+            if self.out is not None:
+                lock = claim_folder(self.out, self.state, lambda: _check_identity(self.out, self.run_config))
+                done = _read_done(self.out, {it.id for it in self.items})
+            gathered = self.gather(self.generate(done))
+            results = self.score(gathered, t_start)
+            self.write(results, gathered)
+            self.state.wait_for_everyone()
+            return results
+        finally:
+            if wrapped:
+                remove_method(self.model)
+            if lock is not None:
+                lock.release()
+
+    # ---- load: every argument is checked before anything is written (a typo must not leave a run.json
+    # behind that refuses the corrected command)
+    def load(self) -> None:
+        o, model = self.options, self.model
+        check_llava(model)
+        task = get_task(self.task_arg) if isinstance(self.task_arg, str) else self.task_arg
+        task.rule(o.rules)  # the scoring rule (recorded in scores["rules"]); an unknown name fails here
+        budget = parse_budget(o.budget)
+        _check_count("--batch-size", o.batch_size, required=True)
+        _check_count("--limit", o.limit)
+        _check_count("--max-new-tokens", o.max_new_tokens)
+        _check_count("--multi-turn", o.multi_turn)
+        if o.compress not in COMPRESS_AT:
+            raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {o.compress!r}")
+        if o.compress == "image" and o.multi_turn:
+            raise ConfigError(
+                "compress='image' is for single questions; multi-turn already asks after compression"
+            )
+        check_method(o.method, budget)
+        data_options = {k: v for k, v in (o.data_options or {}).items() if v is not None}
+        data_path = resolve_data(self.data_arg)
+        self.task, self.budget = task, budget
+        self.max_new = o.max_new_tokens or task.max_new_tokens
+        self.run_config = RunConfig(
+            task=task.name,
+            data=str(data_path.resolve()) if str(self.data_arg) != "bundled" else "bundled",
+            model=o.model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
+            method=o.method,
+            budget=budget,
+            limit=o.limit,
+            max_new_tokens=self.max_new,
+            multi_turn=o.multi_turn,
+            compress=o.compress,
+            data_options={k: str(v) for k, v in data_options.items()},
+            dtype=_dtype_name(model.dtype),
+            device=model.device.type,
+            weights=weights_fingerprint(model),
+            batch_size=o.batch_size,
         )
-    check_method(method, budget)
-    data_options = {k: v for k, v in (data_options or {}).items() if v is not None}
-    data_path = resolve_data(data)
-    max_new = max_new_tokens or task_obj.max_new_tokens
-    run = RunConfig(
-        task=task_obj.name,
-        data=str(data_path.resolve()) if str(data) != "bundled" else "bundled",
-        model=model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
-        method=method,
-        budget=budget,
-        limit=limit,
-        max_new_tokens=max_new,
-        multi_turn=multi_turn,
-        compress=compress,
-        data_options={k: str(v) for k, v in data_options.items()},
-        dtype=_dtype_name(model.dtype),
-        device=model.device.type,
-        weights=weights_fingerprint(model),
-        batch_size=batch_size,
-    )
-    items = task_obj.load(data_path, limit=limit, **data_options)
-    if not items:
-        raise DataError(f"{data_path}: no {task_obj.name} items found")
-    ids = {it.id for it in items}
-    if len(ids) != len(items):
-        raise DataError(f"{data_path}: item ids repeat; each question needs a unique id")
-    if multi_turn and batch_size > 1:
-        log.warning("--multi-turn runs one conversation at a time; --batch-size %d is ignored", batch_size)
-    units = _units(items, multi_turn)
-    mine = units[rank::world]
-    batches = _batches(mine, batch_size, multi_turn)
+        items = task.load(data_path, limit=o.limit, **data_options)
+        if not items:
+            raise DataError(f"{data_path}: no {task.name} items found")
+        if len({it.id for it in items}) != len(items):
+            raise DataError(f"{data_path}: item ids repeat; each question needs a unique id")
+        self.items = items
 
-    out = Path(out_dir) if out_dir is not None else None
-    # wrapping checks what the spec alone cannot (agents trained for another model) before the folder is
-    # claimed and run.json written
-    wrapped = apply_method(model, method, budget)
-    lock: FolderLock | None = None
-    try:
-        done: dict[str, dict] = {}
-        if out is not None:
-            lock = claim_folder(out, state, lambda: _check_identity(out, run))
-            done = _read_done(out, ids)
-        records: dict[str, dict] = {it.id: done[it.id] for u in mine for it in u if it.id in done}
+    # ---- plan: this rank's stride of the work units, cut into generate calls
+    def plan(self) -> None:
+        o = self.options
+        if o.multi_turn and o.batch_size > 1:
+            log.warning(
+                "--multi-turn runs one conversation at a time; --batch-size %d is ignored", o.batch_size
+            )
+        self.mine = _units(self.items, o.multi_turn)[self.rank :: self.world]
+        self.batches = _batches(self.mine, o.batch_size, o.multi_turn)
+
+    # ---- generate: the batches with an item not done yet
+    def generate(self, done: dict[str, dict]) -> _Generated:
+        o = self.options
+        records: dict[str, dict] = {it.id: done[it.id] for u in self.mine for it in u if it.id in done}
         # a batch cut short by a crash is generated again whole (only its missing records are written)
-        todo = [b for b in batches if any(it.id not in records for u in b for it in u)]
+        todo = [b for b in self.batches if any(it.id not in records for u in b for it in u)]
         n_new = sum(1 for b in todo for u in b for it in u if it.id not in records)
         if done:
+            total = sum(map(len, self.mine))
             log.info(
-                "rank %d: %d of its %d items already done; %d to go",
-                rank,
-                len(records),
-                sum(map(len, mine)),
-                n_new,
+                "rank %d: %d of its %d items already done; %d to go", self.rank, len(records), total, n_new
             )
-        appender = JsonlAppender(out / f"predictions.rank{rank}.jsonl") if out is not None else None
+        path = self.out / f"predictions.rank{self.rank}.jsonl" if self.out is not None else None
+        appender = JsonlAppender(path) if path is not None else None
         t_gen = time.perf_counter()
         try:
-            from tqdm.auto import tqdm
-
             bar = tqdm(
                 total=n_new,
-                desc=f"{task_obj.name} [{method}]",
+                desc=f"{self.task.name} [{o.method}]",
                 unit="q",
-                disable=not (progress and state.is_main_process),
+                disable=not (o.progress and self.state.is_main_process),
             )
             for batch in todo:
-                flat = [it for u in batch for it in u]
-                kv_rows: list[dict] = []
-                if multi_turn:
-                    answers = generate_conversation(model, processor, flat, max_new)
-                elif compress == "image":
-                    answers = generate_image_first(model, processor, flat, max_new, kv_rows=kv_rows)
-                else:
-                    answers = generate_batch(model, processor, flat, max_new)
-                if not kv_rows:
-                    stats = _kv_stats(model)
-                    kv_rows = [stats] if stats else []
-                new = [(t, it, a) for t, (it, a) in enumerate(zip(flat, answers)) if it.id not in records]
-                for k, (turn, it, (text, ntok)) in enumerate(new):
-                    rec = {"id": it.id, "prediction": text, "rank": rank, "new_tokens": ntok}
-                    if multi_turn:
-                        rec["turn"] = turn
-                    if kv_rows and k == len(new) - 1:
-                        # the batch's KV figures (one row per request) travel with its last record: the
-                        # batch counts once it is written, and a batch cut short is generated again whole
-                        rec["kv"] = kv_rows
-                    records[it.id] = rec
+                new = self._generate_batch([it for u in batch for it in u], records)
+                for rec in new:
+                    records[rec["id"]] = rec
                     if appender is not None:
                         appender.write(rec)
                 bar.update(len(new))
@@ -766,30 +737,62 @@ def evaluate(
         finally:
             if appender is not None:
                 appender.close()
-        gen_s = time.perf_counter() - t_gen
+        return _Generated(records, n_new, time.perf_counter() - t_gen)
 
-        # every rank contributes its stride; all_gather so every rank can return the same results
-        gathered = gather_object([(rank, list(records.values()), gen_s, n_new)])
+    def _generate_batch(self, flat: list[Item], records: dict[str, dict]) -> list[dict]:
+        """One generate call; the records of its items not recorded yet."""
+        o, model, processor = self.options, self.model, self.processor
+        kv_rows: list[dict] = []
+        if o.multi_turn:
+            answers = generate_conversation(model, processor, flat, self.max_new)
+        elif o.compress == "image":
+            answers = generate_image_first(model, processor, flat, self.max_new, kv_rows=kv_rows)
+        else:
+            answers = generate_batch(model, processor, flat, self.max_new)
+        if not kv_rows:
+            stats = _kv_stats(model)
+            kv_rows = [stats] if stats else []
+        new = [(t, it, a) for t, (it, a) in enumerate(zip(flat, answers)) if it.id not in records]
+        out = []
+        for k, (turn, it, (text, ntok)) in enumerate(new):
+            rec: dict[str, Any] = {"id": it.id, "prediction": text, "rank": self.rank, "new_tokens": ntok}
+            if o.multi_turn:
+                rec["turn"] = turn
+            if kv_rows and k == len(new) - 1:
+                # the batch's KV figures (one row per request) travel with its last record: the batch
+                # counts once it is written, and a batch cut short is generated again whole
+                rec["kv"] = kv_rows
+            out.append(rec)
+        return out
+
+    # ---- gather: every rank contributes its stride; all_gather so every rank returns the same results
+    def gather(self, mine: _Generated) -> _Gathered:
+        gathered = gather_object([(self.rank, list(mine.records.values()), mine.generate_s, mine.new_items)])
         all_records: dict[str, dict] = {}
         per_rank = {}
         for r, recs, gs, nn in gathered:
             for rec in recs:
                 all_records[rec["id"]] = rec
             per_rank[str(r)] = {"items": len(recs), "new_items": nn, "generate_s": gs}
+        return _Gathered(all_records, per_rank)
+
+    # ---- score: the results dict
+    def score(self, gathered: _Gathered, t_start: float) -> dict[str, Any]:
+        all_records, per_rank, predictions = gathered.records, gathered.per_rank, gathered.predictions
+        o, task, items = self.options, self.task, self.items
         # one row per request, in item order (a batch's rows ride on its last record)
         all_kv = [row for it in items for row in all_records.get(it.id, {}).get("kv", [])]
-        predictions = {i: rec["prediction"] for i, rec in all_records.items()}
-
         t_score = time.perf_counter()
-        scores = task_obj.score(items, predictions, rules)
+        scores = task.score(items, predictions, o.rules)
         score_s = time.perf_counter() - t_score
         total_new = sum(v["new_items"] for v in per_rank.values())
         gen_wall = max(v["generate_s"] for v in per_rank.values())
+        extra = o.extra_timings or {}
         results: dict[str, Any] = {
-            "task": task_obj.name,
-            "primary_metric": task_obj.primary_metric,
-            "primary": task_obj.primary(scores),
-            "config": asdict(run),
+            "task": task.name,
+            "primary_metric": task.primary_metric,
+            "primary": task.primary(scores),
+            "config": asdict(self.run_config),
             "versions": _versions(),
             "counts": {
                 "items": len(items),
@@ -800,21 +803,21 @@ def evaluate(
             "scores": scores,
             "kv": summarize_kv(all_kv),
             "timings": {
-                **(extra_timings or {}),
+                **extra,
                 "generate_s": gen_wall,
                 **{f"kv_{k}": sum(r.get(k) or 0.0 for r in all_kv) for k in KV_TIME_KEYS if all_kv},
                 "score_s": score_s,
-                "total_s": time.perf_counter() - t_start + sum((extra_timings or {}).values()),
+                "total_s": time.perf_counter() - t_start + sum(extra.values()),
                 "items_per_s": total_new / gen_wall if gen_wall > 0 and total_new else None,
             },
             "run": {
-                "world_size": world,
-                "device": str(model.device),
+                "world_size": self.world,
+                "device": str(self.model.device),
                 "new_items": total_new,
                 "per_rank": per_rank,
             },
         }
-        if multi_turn:
+        if o.multi_turn:
             # the primary score of the questions asked at each turn: does a cache compressed once hold up?
             turns: dict[int, list[Item]] = {}
             for it in items:
@@ -822,23 +825,20 @@ def evaluate(
                 if t is not None:
                     turns.setdefault(int(t), []).append(it)
             results["scores_by_turn"] = {
-                str(t): {
-                    "primary": task_obj.primary(task_obj.score(its, predictions, rules)),
-                    "items": len(its),
-                }
+                str(t): {"primary": task.primary(task.score(its, predictions, o.rules)), "items": len(its)}
                 for t, its in sorted(turns.items())
             }
-        if out is not None and state.is_main_process:
-            official = task_obj.write_predictions(out / "predictions_official", items, predictions)
-            results["official_predictions"] = official.name
-            atomic_write_json(out / "results.json", results)
-        state.wait_for_everyone()
         return results
-    finally:
-        if wrapped:
-            remove_method(model)
-        if lock is not None:
-            lock.release()
+
+    # ---- write: rank 0 writes the official predictions and results.json
+    def write(self, results: dict[str, Any], gathered: _Gathered) -> None:
+        if self.out is None or not self.state.is_main_process:
+            return
+        official = self.task.write_predictions(
+            self.out / "predictions_official", self.items, gathered.predictions
+        )
+        results["official_predictions"] = official.name
+        atomic_write_json(self.out / "results.json", results)
 
 
 def score_file(task: str, data: str | Path, predictions_file: str | Path, out: str | Path | None = None,

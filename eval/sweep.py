@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, MmOvalError
-from .files import atomic_write_json, atomic_write_text
+from ..files import atomic_write_json, atomic_write_text
 from .plots import plot_sweep
 from .runner import (
     apply_method,

@@ -13,9 +13,7 @@ from typing import Any, ClassVar
 from PIL import Image
 
 from ..errors import ConfigError, DataError
-
-# LLaVA-1.5's instruction after short-answer questions (VQAv2, TextVQA, POPE, GQA, ...)
-SHORT_ANSWER_PROMPT = "Answer the question using a single word or phrase."
+from ..zoo import bundled_data_dir
 
 
 @dataclass
@@ -119,14 +117,7 @@ def get_task(name: str) -> Task:
 def resolve_data(data: str | Path) -> Path:
     """`bundled` -> the bundled synthetic dev sets; anything else must exist."""
     if str(data) == "bundled":
-        try:
-            from mm_oval.zoo import bundled_data_dir
-        except ImportError as e:
-            raise DataError(
-                "the bundled dev sets are not available in this install (mm_oval.zoo.bundled_data_dir is "
-                "missing); pass --data PATH to a dataset instead"
-            ) from e
-        return Path(bundled_data_dir())
+        return bundled_data_dir()
     path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"data path not found: {path}")

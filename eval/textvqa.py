@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from .files import atomic_write_json, open_image, read_json
-from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task, find_one
+from ..files import atomic_write_json
+from ..prompts import load_image, short_answer_prompt
+from .files import read_json
+from .tasks import Item, Rule, Task, find_one
 from .vqa import (  # noqa: F401  (the EvalAI processor is TextVQA's normaliser; re-exported here)
     EVALAI_COMMA_STRIP,
     evalai_normalize,
@@ -126,7 +128,7 @@ class TextVQATask(Task):
             if ocr:
                 # LLaVA-1.5's TextVQA prompt with OCR tokens
                 prompt += "\nReference OCR token: " + ", ".join(ocr_tokens.get(str(image_id), []))
-            prompt += "\n" + SHORT_ANSWER_PROMPT
+            prompt = short_answer_prompt(prompt)
             img = image_dir / f"{image_id}.jpg"
             if not img.exists() and (image_dir / f"{image_id}.png").exists():
                 img = image_dir / f"{image_id}.png"
@@ -134,7 +136,7 @@ class TextVQATask(Task):
                 Item(
                     id=str(qid),
                     prompt=prompt,
-                    image=(lambda p=img: open_image(p)),
+                    image=(lambda p=img: load_image(p)),
                     meta={"answers": list(answers), "question": question},
                     group=str(image_id),
                 )

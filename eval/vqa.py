@@ -43,8 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DataError
-from .files import atomic_write_json, open_image, read_json
-from .tasks import SHORT_ANSWER_PROMPT, Item, Rule, Task, find_one
+from ..files import atomic_write_json
+from ..prompts import load_image, short_answer_prompt
+from .files import read_json
+from .tasks import Item, Rule, Task, find_one
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +300,7 @@ def find_image_dir(data: Path, explicit: str | Path | None, names: tuple[str, ..
 
 
 def _image_loader(path: Path):
-    return lambda: open_image(path)
+    return lambda: load_image(path)
 
 
 def question_id(value: Any, where: str) -> int:
@@ -422,7 +424,7 @@ class VQAv2Task(Task):
             items.append(
                 Item(
                     id=str(qid),
-                    prompt=f"{question}\n{SHORT_ANSWER_PROMPT}",
+                    prompt=short_answer_prompt(question),
                     image=_image_loader(path),
                     meta=meta,
                     group=str(image_id),

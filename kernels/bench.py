@@ -26,10 +26,7 @@ references at small shapes in fp32, says so, and leaves the H200 column empty.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,6 +34,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from mm_oval.files import atomic_write_json
 
 H200_BYTES_PER_S = 4.8e12
 
@@ -406,14 +405,6 @@ def print_table(rows: list[Row], title: str, out=sys.stdout) -> None:
         )
 
 
-def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
@@ -475,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if others:
         print_table(others, "Page scoring (every page), KVP scoring, compaction")
     if args.json:
-        _write_json(
+        atomic_write_json(
             args.json,
             {
                 "note": note,

@@ -8,25 +8,29 @@
     chat.kept_image_tokens()                      # (layers, KV heads, rows, cols) bool: what eviction kept
 
 The conversation is kept as token ids: each answer enters the next turn exactly as it was generated,
-the first turn's prompt is the evaluation harness's (`mm_oval.eval.runner.chat_prompt`), and the later
-turns are the chat template's text between one answer and the next question, as the harness's
-multi-turn mode builds them.
+the first turn's prompt is the one the evaluation harness builds (`mm_oval.prompts.chat_prompt`), and the
+later turns are the chat template's text between one answer and the next question, as the harness's
+multi-turn mode builds them. The `mm-oval chat` command is `mm_oval.cli_chat`.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import logging
-import math
-import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
+from .cache import PagedMultimodalCache
 from .config import OvalConfig
-from .errors import ConfigError, DataError, MmOvalError
+from .errors import ConfigError
+from .geometry import FIXED, family_of, grid_shape, tokens_per_view
+from .policies.base import make_eviction, make_retrieval
+from .prompts import chat_prompt, load_image, to_model
+from .stats import cache_stats
+from .wrapper import _language_model, unwrap, wrap
 
 logger = logging.getLogger(__name__)
 
@@ -43,24 +47,6 @@ class Turn:
     answer: str
     new_tokens: int  # tokens generated for the answer (end of sequence included)
     prompt_tokens: int  # tokens fed to the model for this turn (the whole first prompt, then the new ones)
-
-
-def load_image(image: Any) -> Any:
-    """A PIL image from a path or a PIL image (converted to RGB)."""
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    if isinstance(image, (str, Path)):
-        path = Path(image)
-        if not path.is_file():
-            raise DataError(f"image file {path} does not exist; pass the path of a PNG or JPEG image")
-        try:
-            with Image.open(path) as im:
-                return im.convert("RGB")
-        except (UnidentifiedImageError, OSError) as e:
-            raise DataError(f"image file {path} cannot be read as an image ({e})") from e
-    raise ConfigError(f"an image is a file path or a PIL image, got {type(image).__name__}")
 
 
 class _ReadRecorder:
@@ -92,23 +78,23 @@ class _ReadRecorder:
 
     @torch.no_grad()
     def _record(self, ctx: Any, chosen: torch.Tensor) -> None:
-        layer = self.cache.layers[ctx.layer_idx]
+        """The image patches of the pages read at this step: a page holds the slots [page_start, page_start
+        + page_len) of its head (the retrieval context's public fields); image slots carry their (image, row,
+        col) in the layer's `slot_rc`."""
         n_images, side_r, side_c = self.grid
-        P_s = ctx.candidates.shape[-1]
         read = (chosen & ctx.candidates) | (~ctx.candidates & (ctx.page_len > 0))  # (B, Hkv, P_s)
-        L0 = layer.prompt_slots
-        page = layer.slot_page[0, :, :L0]  # (Hkv, L0): the page of each prompt slot
-        in_range = (page >= 0) & (page < P_s)
-        slot_read = read[0].gather(-1, page.clamp(0, P_s - 1)) & in_range & layer.slot_valid[0, :, :L0]
-        rc = layer.slot_rc[0, :, :L0]  # (Hkv, L0, 3)
-        is_img = rc[..., 0] >= 0
-        H = page.shape[0]
+        rc = self.cache.layers[ctx.layer_idx].slot_rc[0]  # (Hkv, L, 3)
+        start, length = ctx.page_start[0], ctx.page_len[0]  # (Hkv, P_s)
+        slot = torch.arange(rc.shape[1], device=rc.device).view(1, 1, -1)
+        in_page = (slot >= start.unsqueeze(-1)) & (slot < (start + length).unsqueeze(-1))  # (Hkv, P_s, L)
+        slot_read = (in_page & read[0].unsqueeze(-1)).any(1)  # (Hkv, L)
+        H = rc.shape[0]
         counts = self.counts.get(ctx.layer_idx)
         if counts is None:
             counts = torch.zeros(H, n_images, side_r, side_c, dtype=torch.long, device=read.device)
             self.counts[ctx.layer_idx] = counts
-        h = torch.arange(H, device=read.device).view(H, 1).expand_as(is_img)
-        sel = is_img & slot_read
+        sel = (rc[..., 0] >= 0) & slot_read
+        h = torch.arange(H, device=read.device).view(H, 1).expand_as(sel)
         counts.index_put_(
             (h[sel], rc[..., 0][sel], rc[..., 1][sel], rc[..., 2][sel]),
             torch.ones(int(sel.sum()), dtype=torch.long, device=read.device),
@@ -147,9 +133,6 @@ class Chat:
         max_new_tokens: int = 32,
         record_reads: bool = False,
     ):
-        from .policies.base import make_eviction, make_retrieval
-        from .wrapper import _language_model, _tokens_per_image
-
         _language_model(model)  # a clear error for a model that is not LLaVA-style
         if image is not None and images is not None:
             raise ConfigError("pass either image= or images=, not both")
@@ -162,7 +145,7 @@ class Chat:
         self.config = config if config is not None else OvalConfig.from_spec(method, budget)
         self.max_new_tokens = max_new_tokens
         self.record_reads = record_reads
-        self.tokens_per_image = _tokens_per_image(model)
+        self.tokens_per_image = tokens_per_view(model)
         state = getattr(model, "_mm_oval", None)
         if state is not None and state.config == self.config:
             self._eviction, self._retrieval = state.eviction, state.retrieval
@@ -257,8 +240,6 @@ class Chat:
         """`mm_oval.stats` figures of this conversation's cache (what prefill kept, per layer and in total;
         prefill and decode time over all turns) plus `turns`, `cache_tokens` (the conversation's length)
         and `cache_slots` (the tokens the cache holds now, per KV head, averaged over layers and heads)."""
-        from .stats import cache_stats
-
         cache = self._require_cache()
         out = cache_stats(cache)
         layers = [layer for layer in cache.layers if layer.phase == "decode"]
@@ -325,18 +306,13 @@ class Chat:
     @property
     def grid(self) -> tuple[int, int, int]:
         """(images, rows, cols) of the patch grid."""
-        from .geometry import FIXED, family_of
-
         if family_of(self.model) != FIXED:  # grids of their own sizes, several per image
             raise ConfigError(
                 f"the kept-patch and page-read maps are drawn on LLaVA-1.5's one grid per image; "
                 f"{type(self.model).__name__} gives each image grids of their own sizes: read "
                 "chat.stats(), or the cache's geometry (cache.geometry.grids) and layer.slot_rc"
             )
-        side = max(int(round(math.sqrt(self.tokens_per_image))), 1)
-        if side * side != self.tokens_per_image:
-            return len(self.images), 1, self.tokens_per_image
-        return len(self.images), side, side
+        return (len(self.images), *grid_shape(self.tokens_per_image))
 
     # ---- inside ----------------------------------------------------------------------------------------
     def _require_cache(self) -> Any:
@@ -345,8 +321,6 @@ class Chat:
         return self._cache
 
     def _new_cache(self) -> Any:
-        from .cache import PagedMultimodalCache
-
         retrieval = self._retrieval
         if retrieval is not None and self.record_reads:
             retrieval = self._recorder = _ReadRecorder(retrieval)
@@ -356,60 +330,28 @@ class Chat:
             self._recorder.cache = cache
         return cache
 
-    def _wrapped(self) -> Any:
-        import contextlib
-
-        from .wrapper import unwrap, wrap
-
-        @contextlib.contextmanager
-        def scope():
-            if getattr(self.model, "_mm_oval", None) is not None:
-                yield  # already wrapped: its attention and hooks serve this conversation's own cache
-                return
-            wrap(self.model, OvalConfig())
-            try:
-                yield
-            finally:
-                unwrap(self.model)
-
-        return scope()
+    @contextlib.contextmanager
+    def _wrapped(self) -> Iterator[None]:
+        """The model wrapped for one `ask` (its attention function and hooks serve this conversation's
+        own cache), unless it is wrapped already."""
+        if getattr(self.model, "_mm_oval", None) is not None:
+            yield
+            return
+        wrap(self.model, OvalConfig())
+        try:
+            yield
+        finally:
+            unwrap(self.model)
 
     def _render(self, question: str, history: list[tuple[str, str]]) -> str:
-        n = len(self.images)
-        if n == 1:
-            from .eval.runner import chat_prompt
-
-            return chat_prompt(self.processor, question, history)
-        # no image, or several: the same messages with that many image entries in the first user turn
-        messages: list[dict] = []
-        turns = [*history, (question, None)]
-        for i, (q, a) in enumerate(turns):
-            content: list[dict] = [{"type": "text", "text": q}]
-            if i == 0:
-                content = [{"type": "image"}] * n + content
-            messages.append({"role": "user", "content": content})
-            if a is not None:
-                messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
-        if not getattr(self.processor, "chat_template", None):
-            raise ConfigError("chatting with several images (or none) needs a processor with a chat template")
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
-
-    def _to_model(self, inputs: Any) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, v in inputs.items():
-            if isinstance(v, torch.Tensor):
-                v = v.to(self.model.device)
-                if v.is_floating_point():
-                    v = v.to(self.model.dtype)
-                out[k] = v
-        return out
+        return chat_prompt(self.processor, question, history, images=len(self.images))
 
     def _first_inputs(self, question: str) -> dict[str, torch.Tensor]:
         text = self._render(question, [])
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
         if self.images:
             kwargs["images"] = self.images
-        return self._to_model(self.processor(**kwargs))
+        return to_model(self.processor(**kwargs), self.model)
 
     def _next_inputs(self, question: str) -> dict[str, torch.Tensor]:
         tok = self.processor.tokenizer
@@ -424,148 +366,3 @@ class Chat:
             prev = prev[:, :-1]  # the template closes the turn itself
         ids = torch.cat([prev, tail_ids], dim=1)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-# ---------------------------------------------------------------------------------------------------- CLI
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="bundled",
-        help="bundled (the tiny LLaVA shipped with mm-oval), a local path or a Hub id",
-    )
-    parser.add_argument(
-        "--image", action="append", default=[], metavar="PATH", help="an image to chat about (repeatable)"
-    )
-    parser.add_argument(
-        "--method",
-        default="full",
-        help="KV-cache method spec, as for mm_oval.wrap: full, snapkv, kvp, 'full:retrieval=oval,read_budget=0.25', ...",
-    )
-    parser.add_argument(
-        "--budget", default=None, help="image-KV budget: a fraction like 0.25 or a token count like 16"
-    )
-    parser.add_argument(
-        "--prompt",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="ask TEXT and exit instead of reading questions from stdin (repeat for several turns)",
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--stats", action="store_true", help="after each answer, print what the cache kept")
-    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: the GPU when there is one)")
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16"
-    )
-    parser.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
-    )
-
-
-def format_stats(stats: dict[str, Any]) -> str:
-    """A few lines saying what the cache kept (for `mm-oval chat --stats`)."""
-
-    def kib(n: float) -> str:
-        return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.1f} MiB"
-
-    method = stats["method"] + (f" + {stats['retrieval']} retrieval" if stats.get("retrieval") else "")
-    frac = stats.get("kv_fraction_kept")
-    img = stats.get("image_kv_fraction_kept")
-    lines = [
-        f"[stats] method {method}, budget {stats['budget']}: prompt KV kept {kib(stats['kv_bytes_kept'])} "
-        f"of {kib(stats['kv_bytes_full'])}"
-        + (f" ({frac:.1%})" if frac is not None else "")
-        + (f"; image KV kept {img:.1%}" if img is not None else "")
-    ]
-    if stats.get("page_read_fraction") is not None:
-        lines.append(
-            f"[stats] retrieval read {stats['page_read_fraction']:.1%} of the candidate pages per step"
-        )
-    lines.append(
-        f"[stats] conversation {stats.get('cache_tokens', '?')} tokens, cache holds {stats.get('cache_slots', 0):.0f} "
-        f"per KV head; prefill {stats['prefill_s'] * 1000:.0f} ms, decode {stats['decode_s'] * 1000:.0f} ms "
-        f"over {stats['decode_steps']} steps"
-    )
-    for row in stats["layers"]:
-        lines.append(
-            f"[stats] layer {row['layer']}: image tokens kept {row['image_tokens_kept']:g}/{row['image_tokens_full']:g}, "
-            f"text {row['text_tokens_kept']:g}/{row['text_tokens_full']:g}, pages {row['pages']:g}"
-        )
-    return "\n".join(lines)
-
-
-HELP = "commands: /stats (what the cache kept), /reset (new conversation), /quit"
-
-
-def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
-    """`mm-oval chat`. Ctrl-C while a question is answered drops that turn and keeps the session; Ctrl-C
-    anywhere else (at the prompt, while the model loads) ends it with one line and exit status 130."""
-    try:
-        return _run(args, stdin or sys.stdin, stdout or sys.stdout)
-    except KeyboardInterrupt:
-        print("\nmm-oval chat: interrupted", file=sys.stderr, flush=True)
-        return 130
-
-
-def _run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
-    from .eval.runner import load_model, parse_budget
-
-    budget = parse_budget(args.budget)
-    config = OvalConfig.from_spec(args.method, budget)  # bad specs fail before the model loads
-    images = [load_image(p) for p in args.image]
-    model, processor = load_model(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        allow_pickle_weights=getattr(args, "allow_pickle_weights", False),
-    )
-    from .wrapper import wrap
-
-    wrap(model, config)  # once for the session; the Chat uses this wrap's policies
-    chat = Chat(model, processor, images=images, config=config, max_new_tokens=args.max_new_tokens)
-
-    def answer(question: str) -> None:
-        print(chat.ask(question), file=stdout, flush=True)
-        if args.stats:
-            print(format_stats(chat.stats()), file=stdout, flush=True)
-
-    if args.prompt:
-        for question in args.prompt:
-            answer(question)
-        return 0
-    interactive = stdin.isatty()
-    if interactive:
-        print(f"chatting with {args.model} ({config.method}); {HELP}", file=stdout)
-    while True:
-        if interactive:
-            print("> ", end="", file=stdout, flush=True)
-        line = stdin.readline()
-        if not line:
-            break
-        question = line.strip()
-        if not question:
-            continue
-        if question in ("/quit", "/exit"):
-            break
-        if question == "/reset":
-            chat.reset()
-            continue
-        if question == "/stats":
-            print(format_stats(chat.stats()) if chat.turns else "[stats] nothing asked yet", file=stdout)
-            continue
-        if question.startswith("/"):
-            print(f"unknown command {question}; {HELP}", file=stdout)
-            continue
-        try:
-            answer(question)
-        except MmOvalError as e:  # say what went wrong and keep the session (the conversation starts over)
-            chat.reset()
-            print(f"error: {e} (the conversation starts over)", file=sys.stderr, flush=True)
-        except KeyboardInterrupt:
-            chat.reset()
-            print("\ninterrupted (the conversation starts over)", file=sys.stderr, flush=True)
-    return 0

@@ -8,6 +8,8 @@ import importlib
 import logging
 import sys
 
+from .errors import MmOvalError
+
 # subcommand -> (module, function building its parser, one-line help). The module's `add_arguments(parser)`
 # adds the options and its `run(args) -> int` runs it.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -21,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-kvp": ("mm_oval.training.cli_kvp", "capture traces and train KVP eviction agents"),
     "train-router": ("mm_oval.training.cli_router", "train the hybrid image-text page router"),
     "zoo": ("mm_oval.zoo.cli", "generate the bundled benchmark / train the bundled tiny LLaVA"),
-    "chat": ("mm_oval.chat", "chat about an image with a (wrapped) model"),
+    "chat": ("mm_oval.cli_chat", "chat about an image with a (wrapped) model"),
 }
 
 
@@ -60,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"mm-oval {known.command}", description=help_text)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    from .errors import MmOvalError
 
     try:
         return int(module.run(args) or 0)

@@ -13,6 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from .eval.runner import check_method, evaluate
+from .eval.tasks import get_task
+from .modelfiles import load_model
+
 log = logging.getLogger(__name__)
 
 TASKS = ("vqav2", "pope", "mmbench")
@@ -70,9 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mm_oval.eval import evaluate, get_task, load_model
-    from mm_oval.eval.runner import check_method
-
     t0 = time.perf_counter()
     tasks = [t for t in args.tasks.split(",") if t]
     methods = ["full", *[m for m in args.methods.split(",") if m and m != "full"]]

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from .core import Rope
 from .errors import ConfigError, DataError, ModelError
-from .policies.base import Rope
 
 # model_type -> how its images are laid out
 FIXED, ANYRES, ANYRES_MAX, THW = "fixed", "anyres", "anyres_max", "thw"
@@ -388,13 +388,18 @@ def _runs_as_rows(
         out.append((bb, jj, s1 - s0, is_video))
 
 
+def grid_shape(tokens: int) -> tuple[int, int]:
+    """(rows, cols) of an image of `tokens` patches when only the count is known: square when it is a
+    square (LLaVA-1.5: 24 x 24), else one row."""
+    side = math.isqrt(max(int(tokens), 1))
+    return (side, side) if side * side == tokens else (1, max(int(tokens), 1))
+
+
 def fixed_grid_rc(is_img: torch.Tensor, tokens_per_image: int) -> torch.Tensor:
-    """(B, N, 3) (image, row, col) of image tokens that come `tokens_per_image` per image, each image on a
-    square grid (one row when the count is not a square), -1 elsewhere: the layout of LLaVA-1.5 when only
-    the count is known (the cache's `request_info` without a Geometry)."""
-    side = max(math.isqrt(tokens_per_image), 1)
-    if side * side != tokens_per_image:
-        side = tokens_per_image
+    """(B, N, 3) (image, row, col) of image tokens that come `tokens_per_image` per image, each image on
+    `grid_shape(tokens_per_image)`, -1 elsewhere: the layout of LLaVA-1.5 when only the count is known
+    (the cache's `request_info` without a Geometry)."""
+    side = grid_shape(tokens_per_image)[1]
     ordinal = is_img.long().cumsum(-1) - 1
     rc = torch.stack(
         [ordinal // tokens_per_image, (ordinal % tokens_per_image) // side, ordinal % side], dim=-1

@@ -1,6 +1,12 @@
 """Checked loading of model folders and training checkpoints.
 
-`load_llava` is the one loader every command uses (eval, sweep, chat, train-kvp, train-router, zoo check):
+`load_model` is the one loader every command uses (eval, sweep, chat, train-kvp, train-router, the benchmarks,
+the lmms-eval plugin), with one set of defaults:
+- device: the process's GPU (`cuda:LOCAL_RANK` under `accelerate launch` / torchrun, else `cuda`) when there is
+  one, else the CPU;
+- dtype `auto`: float16 on CUDA, float32 elsewhere (also float32, float16, bfloat16);
+- attention: transformers' default (SDPA wherever torch has it), or `attn_implementation`.
+It resolves those and calls `load_llava`, which checks what it loads:
 - the model type is read from the config before any weights are built (a non-LLaVA config would otherwise
   become a default-sized LLaVA-7B);
 - a local folder is checked on disk first: its config, its safetensors weights (present, complete, every
@@ -16,15 +22,23 @@ data (dicts, lists, numbers, strings) come back; anything that would need pickle
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import os
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoProcessor
 
-from .errors import DataError, ModelError
+from .errors import ConfigError, DataError, ModelError
+from .geometry import SUPPORTED_CLASSES
+from .zoo import bundled_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +59,11 @@ def _brief(e: BaseException) -> str:
 def resolve_model_path(spec: str | Path) -> str:
     """`bundled` -> the bundled tiny LLaVA's folder; anything else as given (a local path or a Hub id)."""
     if str(spec) == "bundled":
-        from .zoo import bundled_model_path
-
         return str(bundled_model_path())
     return str(spec)
 
 
 def _check_safetensors(path: Path, folder: Path) -> None:
-    from safetensors import SafetensorError, safe_open
-
     if not path.is_file():
         raise ModelError(f"model folder {folder} lacks the weights file {path.name}: {_SAVE_HINT}")
     try:
@@ -110,10 +120,6 @@ def load_llava(
     """(model, processor) of a local folder, a Hub id or `bundled`, checked as the module docstring says. The
     model is built with its own class (mm_oval.geometry.SUPPORTED_CLASSES: LLaVA-1.5, LLaVA-NeXT,
     LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL). Every failure a user can cause is a ModelError naming the folder."""
-    import transformers
-    from transformers import AutoConfig, AutoProcessor
-
-    from .geometry import SUPPORTED_CLASSES
 
     path = resolve_model_path(spec)
     local = Path(path)
@@ -151,7 +157,6 @@ def load_llava(
         kwargs["attn_implementation"] = attn_implementation
     if not allow_pickle_weights:
         kwargs["use_safetensors"] = True
-    from safetensors import SafetensorError
 
     try:
         model, info = model_class.from_pretrained(path, **kwargs)
@@ -172,6 +177,78 @@ def load_llava(
             "Download or save the model again"
         )
     return model.to(device).eval(), processor
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_device() -> torch.device:
+    """This process's GPU when there is one (`cuda:LOCAL_RANK` when a launcher set LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0) or 0))
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` -> float16 on CUDA, float32 elsewhere; a name (float32, float16, bfloat16) -> that dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}") from None
+
+
+def load_model(
+    model: str | Path,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype = "auto",
+    attn_implementation: str | None = None,
+    allow_pickle_weights: bool = False,
+) -> tuple[Any, Any]:
+    """(model, processor) of a local folder, a Hub id or `bundled`, with the defaults of the module docstring
+    (device None = `default_device()`), checked by `load_llava`."""
+    device = default_device() if device is None else torch.device(device)
+    return load_llava(
+        model,
+        device,
+        resolve_dtype(dtype, device),
+        attn_implementation=attn_implementation,
+        allow_pickle_weights=allow_pickle_weights,
+    )
+
+
+PICKLE_HELP = "load a model folder that has only pickled *.bin weights (safetensors is expected)"
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    """`load_model`'s options for a command that loads a model: --dtype, --allow-pickle-weights and, unless
+    the command places the model itself, --device."""
+    if device:
+        parser.add_argument(
+            "--device", default=None, help="cuda, cpu, ... (default: this process's GPU when there is one)"
+        )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="auto (fp16 on GPU, fp32 on CPU), float32, float16, bfloat16",
+    )
+    parser.add_argument(PICKLE_FLAG, action="store_true", help=PICKLE_HELP)
+
+
+def load_from_args(args: argparse.Namespace, model: str | None = None) -> tuple[Any, Any, float]:
+    """(model, processor, seconds to load) for a command's --model (or `model`) and `add_load_arguments`."""
+    t0 = time.perf_counter()
+    loaded = load_model(
+        model or args.model,
+        getattr(args, "device", None),
+        getattr(args, "dtype", "auto"),
+        allow_pickle_weights=args.allow_pickle_weights,
+    )
+    return (*loaded, time.perf_counter() - t0)
 
 
 def load_checkpoint(path: str | Path, what: str = "checkpoint") -> dict:

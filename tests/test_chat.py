@@ -10,8 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mm_oval.chat import Chat, run
+from mm_oval.chat import Chat
 from mm_oval.cli import main
+from mm_oval.cli_chat import run
 from mm_oval.errors import ConfigError, DataError, ModelError
 
 QUESTIONS = ["what color is the circle ?", "how many blue objects are there ?", "is there a red square ?"]
@@ -213,7 +214,7 @@ def test_command_one_shot_prompts_with_stats(tiny_random_llava, tiny_random_llav
 def test_command_reads_questions_from_stdin(tiny_random_llava, tiny_random_llava_dir, image_path):
     import argparse
 
-    from mm_oval.chat import add_arguments
+    from mm_oval.cli_chat import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -286,7 +287,7 @@ def short_context_llava_dir(tmp_path_factory):
 def test_the_conversation_stays_within_the_models_context_length(
     short_context_llava_dir, image_path, caplog, capsys
 ):
-    from mm_oval.eval.runner import load_model
+    from mm_oval.modelfiles import load_model
 
     model, processor = load_model(str(short_context_llava_dir), device="cpu")
     chat = Chat(model, processor, _scene(), max_new_tokens=32)
@@ -321,7 +322,7 @@ class _CtrlCAtThePrompt(io.StringIO):
 def test_ctrl_c_at_the_prompt_ends_the_session_with_one_line(tiny_random_llava_dir, capsys):
     import argparse
 
-    from mm_oval.chat import add_arguments
+    from mm_oval.cli_chat import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -334,3 +335,12 @@ def test_ctrl_c_at_the_prompt_ends_the_session_with_one_line(tiny_random_llava_d
     assert (
         rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "mm-oval chat: interrupted"
     )
+
+
+def test_the_chat_library_does_not_pull_in_the_evaluation_harness():
+    import subprocess
+    import sys
+
+    code = "import sys, mm_oval.chat; print(sorted(m for m in sys.modules if m.startswith('mm_oval.eval')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -390,3 +390,25 @@ def test_compress_after_image_keeps_full_cache_answers_and_lets_methods_see_less
     assert prompt_side["counts"]["predictions"] == image_side["counts"]["predictions"] == 8
     with pytest.raises(ConfigError, match="compress"):
         evaluate(model, processor, "vqav2", vqa_dir, compress="question", **kw)
+
+
+def test_options_as_an_object_give_the_same_run_as_keywords(loaded, vqa_dir, tmp_path, reference):
+    from mm_oval.eval.runner import EvalOptions
+
+    model, processor = loaded
+    r1, b1 = reference
+    opts = EvalOptions(batch_size=1, out_dir=tmp_path / "opts", max_new_tokens=6, progress=False)
+    r2 = evaluate(model, processor, "vqav2", vqa_dir, opts)
+    assert _comparable(r2) == _comparable(r1) and _preds(tmp_path / "opts") == _preds(b1)
+    assert json.loads((tmp_path / "opts" / "run.json").read_text()) == json.loads(
+        (b1 / "run.json").read_text()
+    )
+    r3 = evaluate(model, processor, "vqav2", vqa_dir, options=EvalOptions(max_new_tokens=6, progress=False))
+    assert _comparable(r3) == _comparable(r1)
+    # the fields in their order, as evaluate's parameters were
+    r4 = evaluate(model, processor, "vqav2", vqa_dir, "full", None, None, 1, 6, progress=False)
+    assert _comparable(r4) == _comparable(r1)
+    with pytest.raises(TypeError, match="not both"):
+        evaluate(model, processor, "vqav2", vqa_dir, opts, limit=2)
+    with pytest.raises(TypeError):
+        evaluate(model, processor, "vqav2", vqa_dir, no_such_option=1)

@@ -172,8 +172,18 @@ def test_mmbench_prompt_is_llava_15s():
         p
         == "Look closely.\nWhat color?\nA. red\nB. blue\nAnswer with the option's letter from the given choices directly."
     )
-    assert build_prompt("Q?", "nan", ["x", "y"]).startswith("Q?\nA. x")
-    assert build_prompt("Q?", None, ["x", "y"]).startswith("Q?\nA. x")
+    for no_hint in ("nan", "None", None, float("nan"), ""):  # LLaVA's is_none, and an empty cell
+        assert build_prompt("Q?", no_hint, ["x", "y"]).startswith("Q?\nA. x")
+    assert build_prompt("Q?", " ", ["x"]).startswith(" \nQ?")  # a blank hint is text, as in LLaVA
+
+
+def test_the_bundled_models_training_prompts_are_the_harness_mmbench_prompts():
+    from mm_oval.zoo.generate import Question
+
+    for hint in ("", "the object is in row 2 column 3 ."):
+        q = Question("hint lookup", "what color is the object ?", "B", [], hint=hint, options=["red", "blue"])
+        assert q.mmbench_prompt() == build_prompt(q.text, hint, q.options)
+    assert q.mmbench_prompt().startswith("the object is in row 2 column 3 .\nwhat color")
 
 
 def _mm_item(index, answer, category="cat1", l2="l2a"):

@@ -407,6 +407,49 @@ def test_train_kvp_command_smoke_run(tiny_random_llava, tmp_path):
     assert main(argv) == 0  # everything resumes: nothing is captured or trained twice
 
 
+def test_the_pipeline_is_a_library_call_and_its_baselines_are_the_registered_policies(
+    tiny_random_llava, tmp_path
+):
+    from mm_oval.policies.base import make_eviction
+    from mm_oval.training.kvp import HELDOUT_BASELINES, PipelineConfig, heldout_table, policy_scorer, train
+    from mm_oval.training.traces import load_traces
+
+    model, processor = tiny_random_llava
+    cfg = PipelineConfig(data="zoo:train:4", heldout_samples=2, store_queries=False)
+    result = train(model, processor, tmp_path, cfg, TrainConfig(steps=2, batch_samples=4))
+    assert json.loads((tmp_path / "heldout.json").read_text()) == json.loads(json.dumps(result.heldout))
+    assert load_agents(tmp_path).training["heldout_cost"]["kvp"] == result.heldout["kvp"]["cost"]
+    held = load_traces([tmp_path / "traces" / "heldout"])
+    assert set(result.heldout) == {"kvp", *HELDOUT_BASELINES, "optimal"}
+    for name in HELDOUT_BASELINES:
+        policy = make_eviction(name, **({"seed": cfg.seed} if name == "random" else {}))
+        expect = heldout_cost(policy_scorer(policy), held, cfg.sinks, cfg.recent)
+        assert result.heldout[name]["cost"] == pytest.approx(expect.cost, abs=0, rel=1e-12), name
+    again = heldout_table(result.agents, held, cfg.seed)
+    assert again["keydiff"] == result.heldout["keydiff"]
+
+
+def test_keydiff_on_traces_is_the_policy_with_its_padding_mask():
+    from mm_oval.training.kvp import keydiff_scorer, trace_context
+
+    g = torch.Generator().manual_seed(0)
+    n = 6
+    trace = {
+        "keys": torch.randn(1, 2, n, 8, generator=g),
+        "values": torch.randn(1, 2, n, 8, generator=g),
+        "utility": torch.rand(1, 2, n, generator=g),
+        "positions": torch.arange(n),
+        "modality": torch.tensor([TEXT, IMAGE, IMAGE, IMAGE, PAD, PAD]),
+        "image_rc": torch.full((n, 3), -1),
+    }
+    scores = keydiff_scorer(trace, 0)
+    # the anchor is the mean direction of the valid keys only: padded keys do not move it
+    k = torch.nn.functional.normalize(trace["keys"][0, :, :4], dim=-1)
+    anchor = torch.nn.functional.normalize(k.mean(1, keepdim=True), dim=-1)
+    assert torch.allclose(scores[:, :4], -(k * anchor).sum(-1), atol=1e-6)
+    assert trace_context(trace, 0).valid[0].tolist() == [True] * 4 + [False] * 2
+
+
 def test_joint_heads_training_ranks_a_layers_heads_together_and_the_policy_keeps_its_scale():
     from mm_oval.training.kvp import Batch, contexts
 

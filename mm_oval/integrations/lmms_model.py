@@ -37,6 +37,7 @@ from ..errors import ConfigError, DataError
 from ..eval import runner
 from ..eval.files import atomic_write_json
 from ..eval.tasks import Item
+from ..modelfiles import load_model
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class MmOvalLlava(lmms):
         state = runner.process_state()
         self._rank, self._world_size = state.process_index, state.num_processes
         self.batch_size_per_gpu = _as_int("batch_size", batch_size if batch_size not in (None, "") else 1)
-        self._model, self._processor = runner.load_model(
+        self._model, self._processor = load_model(
             str(pretrained),
             device=device,
             dtype=str(dtype),

@@ -2,25 +2,24 @@
 
     mm-oval train-kvp --model bundled --data zoo:train:1500 --heldout-data zoo:heldout:200 --out runs/kvp
 
-Every stage resumes: traces are captured in shards (out/traces/{train,heldout}), training checkpoints to
-out/checkpoint.pt. The agents land in out/ (kvp_agents.safetensors + kvp_config.json) and load with
+This module parses the options and calls the pipeline, `mm_oval.training.kvp.train`. Every stage resumes:
+traces are captured in shards (out/traces/{train,heldout}), training checkpoints to out/checkpoint.pt. The
+agents land in out/ (kvp_agents.safetensors + kvp_config.json) and load with
 `mm_oval.wrap(model, method="kvp", method_options={"agents": "out"})`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-from dataclasses import asdict
-from pathlib import Path
+from dataclasses import fields
+
+from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from ..policies.kvp_agents import EXTRA_FEATURES, KVPAgentConfig
-from ..policies.kvp_io import atomic_write_bytes, save_agents
-from ..policies.signature import model_signature
-
-logger = logging.getLogger(__name__)
+from ..modelfiles import add_load_arguments, load_from_args
+from ..policies.kvp_agents import EXTRA_FEATURES
+from ..prompts import COMPRESS_AT
+from .kvp import PipelineConfig, TrainConfig, format_heldout, train
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,19 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--compress",
-        choices=("prompt", "image"),
+        choices=COMPRESS_AT,
         default="prompt",
         help="where the traces' prompt ends: after the question (prompt) or right after the image (image: "
         "the question-agnostic setting of `eval --compress image`, the question counts as future)",
     )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
-    p.add_argument("--device", default=None, help="device for capture (default: cuda if available)")
-    p.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
-    )
+    add_load_arguments(p)
 
 
 def parse_features(text: str) -> tuple[str, ...]:
@@ -105,146 +99,31 @@ def parse_features(text: str) -> tuple[str, ...]:
     return feats
 
 
-def load_model(spec: str, device: str | None = None, allow_pickle_weights: bool = False):
-    """The model (fp16 on CUDA, fp32 elsewhere; SDPA attention) and processor, through the checked loader:
-    the model type is checked before anything is built."""
-    import torch
-
-    from ..modelfiles import load_llava
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    return load_llava(
-        spec, device, dtype, attn_implementation="sdpa", allow_pickle_weights=allow_pickle_weights
-    )
-
-
-def _bar(total: int, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="it", leave=False)
-
-
 def run(args: argparse.Namespace) -> int:
-    from .kvp import (
-        TrainConfig,
-        agent_scorer,
-        heldout_cost,
-        keydiff_scorer,
-        knorm_scorer,
-        oracle_scorer,
-        random_scorer,
-        recency_scorer,
-        train_agents,
-    )
-    from .traces import capture_traces, load_samples, load_traces
-
-    out = Path(args.out)
-    feats = parse_features(args.features)
+    # the options are named as the pipeline's fields, but for the two that need translating
+    same = {f.name: getattr(args, f.name) for f in fields(PipelineConfig) if hasattr(args, f.name)}
+    same["features"] = parse_features(args.features)
+    cfg = PipelineConfig(**same, store_queries=not args.no_queries)
     train_cfg = TrainConfig(
         steps=args.steps, batch_samples=args.batch, rankings=args.rankings, lr=args.lr, seed=args.seed
     )
-    model, processor = load_model(args.model, args.device, args.allow_pickle_weights)
-    sig = model_signature(model)
-    from ..geometry import FIXED, family_of
+    model, processor, _ = load_from_args(args)
+    bars: dict[str, tqdm] = {}
 
-    # one grid side for every image only where every image has one (LLaVA-1.5); otherwise each prompt's own
-    fixed_grid = family_of(model) == FIXED
-    fu = args.followups if args.data.startswith("zoo") else 0
-    train_samples = load_samples(args.data, limit=args.samples, seed=args.seed, followups=fu)
-    if args.heldout_data:
-        held_spec = args.heldout_data
-        held_samples = load_samples(held_spec, limit=args.heldout_samples, seed=args.seed, followups=fu)
-    elif args.data.startswith("zoo"):
-        held_spec = f"zoo:heldout:{args.heldout_samples}"
-        held_samples = load_samples(held_spec, seed=args.seed, followups=fu)
-    else:
-        k = max(1, len(train_samples) // 10)
-        held_spec = f"{args.data} (last {k})"
-        train_samples, held_samples = train_samples[:-k], train_samples[-k:]
-    dirs = {}
-    for name, samples, spec in (("train", train_samples, args.data), ("heldout", held_samples, held_spec)):
-        bar = _bar(len(samples), f"capture {name}")
-        d = capture_traces(
-            model,
-            processor,
-            samples,
-            out / "traces" / name,
-            data_spec=f"{spec} followups={fu} seed={args.seed}",
-            answer=args.answer,
-            shard_size=args.shard_size,
-            store_queries=not args.no_queries,
-            progress=lambda i, n, b=bar: b.update(i - b.n),
-            compress=args.compress,
-        )
-        bar.close()
-        dirs[name] = d
-    del model
-    train = load_traces([dirs["train"]])
-    held = load_traces([dirs["heldout"]])
-    tc = model_signature_cfg = sig
-    agent_cfg = KVPAgentConfig(
-        num_layers=tc["num_layers"],
-        num_kv_heads=tc["num_kv_heads"],
-        head_dim=tc["head_dim"],
-        proj=args.proj,
-        hidden=args.hidden,
-        pos_table=min(int(tc["max_positions"]), 6000),
-        extra_features=feats,
-        shared=args.shared,
-        joint_heads=args.joint_heads,
-        grid_side=int(round((tc.get("image_seq_length") or 0) ** 0.5)) if fixed_grid else 0,
-        sinks=args.sinks,
-        recent=args.recent,
-    )
-    bar = _bar(train_cfg.steps, "train kvp")
-    res = train_agents(
-        train,
-        agent_cfg,
-        train_cfg,
-        out_dir=out,
-        progress=lambda s, rec: (bar.update(s - bar.n), bar.set_postfix(reward=f"{rec['reward']:.4f}")),
-    )
-    bar.close()
-    methods = {
-        "kvp": agent_scorer(res.agents),
-        "random": random_scorer(args.seed),
-        "streamingllm": recency_scorer,
-        "knorm": knorm_scorer,
-        "keydiff": keydiff_scorer,
-        "optimal": oracle_scorer,
-    }
-    table = {}
-    for name, scorer in methods.items():
-        on_one_scale = name == "optimal" or (name == "kvp" and agent_cfg.joint_heads)
-        hc = heldout_cost(scorer, held, args.sinks, args.recent, shared_normalise=not on_one_scale)
-        table[name] = asdict(hc)
-    lines = [
-        f"{'method':<14}{'cost':>8}{'cost img':>10}"
-        + "".join(f"{'ev@' + str(int(b * 100)) + '%':>9}" for b in (0.1, 0.25, 0.5))
-    ]
-    for name, r in table.items():
-        ev = r["evicted"]
-        lines.append(
-            f"{name:<14}{r['cost']:>8.4f}{r['cost_image']:>10.4f}"
-            + "".join(f"{ev[b]:>9.2f}" for b in (0.1, 0.25, 0.5))
-        )
-    print("held-out normalised cost (1 = optimal) and % of future attention evicted per budget:")
-    print("\n".join(lines))
-    atomic_write_bytes(
-        out / "heldout.json", json.dumps({str(k): v for k, v in table.items()}, indent=1).encode()
-    )
-    training = {
-        "train": asdict(train_cfg),
-        "data": args.data,
-        "heldout_data": held_spec,
-        "train_samples": len(train),
-        "heldout_samples": len(held),
-        "followups": fu,
-        "answer": args.answer,
-        "compress": args.compress,
-        "heldout_cost": {k: v["cost"] for k, v in table.items()},
-    }
-    save_agents(res.agents, out, model_signature_cfg, training)
-    logger.info("agents written to %s", out)
+    def progress(stage: str, done: int, total: int, info: dict) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            for other in bars.values():
+                other.close()
+            bar = bars[stage] = tqdm(total=total, desc=stage, unit="it", leave=False)
+        bar.update(done - bar.n)
+        if "reward" in info:
+            bar.set_postfix(reward=f"{info['reward']:.4f}")
+
+    try:
+        result = train(model, processor, args.out, cfg, train_cfg, progress=progress)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    print(format_heldout(result.heldout))
     return 0

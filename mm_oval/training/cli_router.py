@@ -8,13 +8,26 @@ mm-oval train-router --clip-model ViT-B-32 --clip-pretrained /ckpt/open_clip_vit
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
 from ..errors import ConfigError
+from ..files import atomic_write_json
+from ..modelfiles import add_load_arguments, load_from_args
+from ..policies.router import load_router, save_router
+from .router import (
+    OpenClipPageEncoder,
+    TrainOptions,
+    capture_router_data,
+    clip_page_init,
+    load_prompts,
+    new_router,
+    pca_page_init,
+    train_router,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,41 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is fastest for tiny models)"
     )
-    parser.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load a model folder that has only pickled *.bin weights (safetensors is expected)",
-    )
-
-
-def _load_model(name: str | None, device: str, allow_pickle_weights: bool = False):
-    from ..modelfiles import load_llava
-
-    return load_llava(name or "bundled", device, "auto", allow_pickle_weights=allow_pickle_weights)
+    add_load_arguments(parser, device=False)  # --device above: the router trains where the model is
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from ..policies.router import load_router, save_router
-    from .router import (
-        OpenClipPageEncoder,
-        TrainOptions,
-        capture_router_data,
-        clip_page_init,
-        load_prompts,
-        new_router,
-        pca_page_init,
-        train_router,
-    )
-
     if args.lora_only and not args.init:
         raise ConfigError("--lora-only fine-tunes an existing router: pass --init DIR")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, processor = _load_model(args.model, args.device, args.allow_pickle_weights)
+    model, processor, _ = load_from_args(args, args.model or "bundled")
     encoder = None
     if args.clip_model:
         encoder = OpenClipPageEncoder(args.clip_model, args.clip_pretrained, args.device)
@@ -136,10 +124,7 @@ def run(args: argparse.Namespace) -> int:
     )
     bar.close()
     out = save_router(router, args.out)
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"args": vars(args), "history": history}, f, indent=2)
-    os.replace(tmp, Path(out) / "history.json")
+    atomic_write_json(Path(out) / "history.json", {"args": vars(args), "history": history})
     if history and "val_router" in history[-1]:
         h = history[-1]
         log.info(

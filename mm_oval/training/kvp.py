@@ -8,6 +8,9 @@ curve over every budget, normalised so the optimal ranking scores exactly -1. Th
 with the RLOO baseline (each sample's reward minus the mean of the other K-1), advantages normalised,
 no entropy bonus. AdamW with warmup + cosine decay, gradient clipping, EMA weights for inference.
 No model runs during training: everything comes from captured traces (mm_oval.training.traces).
+
+`train(model, processor, out, PipelineConfig(...))` is the whole pipeline `mm-oval train-kvp` runs: traces ->
+agents -> held-out cost (against the registered attention-free policies and the oracle) -> saved agents.
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DataError, ResultsError
+from ..files import atomic_write_bytes, atomic_write_json
+from ..geometry import FIXED, family_of, grid_shape
 from ..modelfiles import load_checkpoint
-from ..policies.base import PAD, PrefillContext
-from ..policies.kvp_agents import KVPAgentConfig, KVPAgents
+from ..policies.base import PAD, PrefillContext, make_eviction
+from ..policies.kvp_agents import EXTRA_FEATURES, KVPAgentConfig, KVPAgents
 from ..policies.kvp_features import extra_features
-from ..policies.kvp_io import atomic_write_bytes
+from ..policies.kvp_io import save_agents
+from ..policies.signature import model_signature
+from .traces import capture_traces, load_samples, load_traces
 
 logger = logging.getLogger(__name__)
 
@@ -380,37 +387,24 @@ def policy_scorer(policy: Any, rope: Any = None) -> Scorer:
     return score
 
 
+def baseline_scorer(name: str, **options: Any) -> Scorer:
+    """A registered eviction policy (`make_eviction(name, **options)`) as a scorer on traces: the baselines
+    of the held-out table are the methods `mm_oval.wrap` runs, not copies of them."""
+    return policy_scorer(make_eviction(name, **options))
+
+
 def random_scorer(seed: int = 0) -> Scorer:
-    g = torch.Generator().manual_seed(seed)
-
-    def score(trace: dict, layer: int) -> torch.Tensor:
-        Hkv, n = trace["utility"].shape[1:]
-        return torch.rand((Hkv, n), generator=g)
-
-    return score
+    return baseline_scorer("random", seed=seed)
 
 
 def oracle_scorer(trace: dict, layer: int) -> torch.Tensor:
+    """The future utility itself: the best any scorer can do (not a policy: it reads the future)."""
     return trace["utility"][layer].float()
 
 
-def knorm_scorer(trace: dict, layer: int) -> torch.Tensor:
-    """K-norm: keep low-norm keys (they draw attention)."""
-    return -trace["keys"][layer].float().norm(dim=-1)
-
-
-def keydiff_scorer(trace: dict, layer: int) -> torch.Tensor:
-    """KeyDiff: keep keys least similar to the mean key direction."""
-    k = trace["keys"][layer].float()
-    kn = torch.nn.functional.normalize(k, dim=-1)
-    anchor = torch.nn.functional.normalize(kn.mean(dim=1, keepdim=True), dim=-1)
-    return -(kn * anchor).sum(-1)
-
-
-def recency_scorer(trace: dict, layer: int) -> torch.Tensor:
-    """StreamingLLM on the eligible tokens: the most recent first (sinks and window are kept anyway)."""
-    Hkv, n = trace["utility"].shape[1:]
-    return trace["positions"].float()[None].expand(Hkv, n).clone()
+recency_scorer = baseline_scorer("streamingllm")
+knorm_scorer = baseline_scorer("knorm")
+keydiff_scorer = baseline_scorer("keydiff")
 
 
 @dataclass
@@ -499,3 +493,175 @@ def heldout_cost(
 
     mean = lambda xs: float(sum(xs) / max(1, len(xs)))  # noqa: E731
     return HeldoutCost(mean(costs), mean(costs_img), pct(ev), pct(ev_img), pct(ev_sh))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the pipeline: traces -> agents -> held-out cost -> saved agents
+# ----------------------------------------------------------------------------------------------------------
+
+HELDOUT_BASELINES = ("random", "streamingllm", "knorm", "keydiff")  # registered, attention-free policies
+HELDOUT_BUDGETS = (0.1, 0.25, 0.5)
+
+# (stage, done, total, info): stage is "capture train", "capture heldout" or "train kvp"
+Progress = Callable[[str, int, int, dict], None]
+
+
+@dataclass
+class PipelineConfig:
+    """What `train` captures and which agents it trains (`TrainConfig` says how)."""
+
+    data: str  # zoo:train[:N], an MMBench .tsv, a .jsonl {image, question, answer} (traces.load_samples)
+    heldout_data: str | None = None  # default: zoo:heldout:N for zoo data, else the last 10% of `data`
+    samples: int | None = None  # at most this many training prompts
+    heldout_samples: int = 200
+    followups: int = 1  # zoo data: later questions per image whose tokens also read the cache
+    answer: str = "reference"  # future tokens: "reference" (teacher-forced) or "greedy"
+    store_queries: bool = True
+    shard_size: int = 128
+    compress: str = "prompt"  # where the traces' prompt ends: "prompt" or "image"
+    seed: int = 0
+    proj: int = 64
+    hidden: int = 64
+    features: tuple[str, ...] = EXTRA_FEATURES
+    shared: bool = False
+    joint_heads: bool = False
+    sinks: int = 4
+    recent: int = 16
+
+
+@dataclass
+class PipelineResult:
+    agents: KVPAgents
+    heldout: dict[str, dict]  # method -> asdict(HeldoutCost)
+    training: dict[str, Any]  # what save_agents recorded beside the agents
+
+
+def _split_samples(cfg: PipelineConfig) -> tuple[list, list, str, int]:
+    """(training samples, held-out samples, the held-out data's name, followups)."""
+    zoo = cfg.data.startswith("zoo")
+    fu = cfg.followups if zoo else 0
+    train = load_samples(cfg.data, limit=cfg.samples, seed=cfg.seed, followups=fu)
+    if cfg.heldout_data:
+        held = load_samples(cfg.heldout_data, limit=cfg.heldout_samples, seed=cfg.seed, followups=fu)
+        return train, held, cfg.heldout_data, fu
+    if zoo:
+        spec = f"zoo:heldout:{cfg.heldout_samples}"
+        return train, load_samples(spec, seed=cfg.seed, followups=fu), spec, fu
+    k = max(1, len(train) // 10)
+    return train[:-k], train[-k:], f"{cfg.data} (last {k})", fu
+
+
+def agent_config(signature: dict, cfg: PipelineConfig, fixed_grid: bool = True) -> KVPAgentConfig:
+    """The agents' shape for a model (`model_signature`) and the pipeline's settings. The grid feature's
+    side is fixed only where every image has one grid of one size (`fixed_grid`: LLaVA-1.5); otherwise the
+    features read each prompt's own grid."""
+    return KVPAgentConfig(
+        num_layers=signature["num_layers"],
+        num_kv_heads=signature["num_kv_heads"],
+        head_dim=signature["head_dim"],
+        proj=cfg.proj,
+        hidden=cfg.hidden,
+        pos_table=min(int(signature["max_positions"]), 6000),
+        extra_features=tuple(cfg.features),
+        shared=cfg.shared,
+        joint_heads=cfg.joint_heads,
+        grid_side=grid_shape(signature.get("image_seq_length") or 0)[1]
+        if fixed_grid and signature.get("image_seq_length")
+        else 0,
+        sinks=cfg.sinks,
+        recent=cfg.recent,
+    )
+
+
+def heldout_table(
+    agents: KVPAgents, held: list[dict], seed: int = 0, budgets: tuple[float, ...] = HELDOUT_BUDGETS
+) -> dict[str, dict]:
+    """The held-out cost of the agents, of the registered attention-free baselines and of the oracle.
+    Scores on one scale across heads (the oracle's utility, joint-heads agents) are ranked across heads as
+    they are; the others are log-softmax normalised per head first."""
+    c = agents.config
+    scorers: dict[str, Scorer] = {"kvp": agent_scorer(agents)}
+    for name in HELDOUT_BASELINES:
+        scorers[name] = baseline_scorer(name, **({"seed": seed} if name == "random" else {}))
+    scorers["optimal"] = oracle_scorer
+    table = {}
+    for name, scorer in scorers.items():
+        on_one_scale = name == "optimal" or (name == "kvp" and c.joint_heads)
+        hc = heldout_cost(scorer, held, c.sinks, c.recent, budgets, shared_normalise=not on_one_scale)
+        table[name] = asdict(hc)
+    return table
+
+
+def format_heldout(table: dict[str, dict], budgets: tuple[float, ...] = HELDOUT_BUDGETS) -> str:
+    """The held-out table as `train-kvp` prints it."""
+    lines = [
+        "held-out normalised cost (1 = optimal) and % of future attention evicted per budget:",
+        f"{'method':<14}{'cost':>8}{'cost img':>10}"
+        + "".join(f"{'ev@' + str(int(b * 100)) + '%':>9}" for b in budgets),
+    ]
+    for name, r in table.items():
+        ev = r["evicted"]
+        lines.append(
+            f"{name:<14}{r['cost']:>8.4f}{r['cost_image']:>10.4f}"
+            + "".join(f"{ev[b]:>9.2f}" for b in budgets)
+        )
+    return "\n".join(lines)
+
+
+def train(
+    model: Any,
+    processor: Any,
+    out_dir: str | Path,
+    cfg: PipelineConfig,
+    train_cfg: TrainConfig | None = None,
+    progress: Progress | None = None,
+) -> PipelineResult:
+    """The KVP pipeline. Captures training and held-out traces from `model` (out/traces/{train,heldout}),
+    trains agents on them (checkpoints in out/checkpoint.pt), scores them and the baselines on the held-out
+    traces (out/heldout.json) and saves the agents for the model (out/kvp_agents.safetensors +
+    kvp_config.json, loaded by `mm_oval.wrap(model, method="kvp", method_options={"agents": out})`).
+    Every stage resumes from what a previous call with the same settings left in `out_dir`."""
+    out = Path(out_dir)
+    train_cfg = train_cfg if train_cfg is not None else TrainConfig(seed=cfg.seed)
+    signature = model_signature(model)
+    train_samples, held_samples, held_spec, fu = _split_samples(cfg)
+    dirs = {}
+    for name, samples, spec in (("train", train_samples, cfg.data), ("heldout", held_samples, held_spec)):
+        stage = f"capture {name}"
+        dirs[name] = capture_traces(
+            model,
+            processor,
+            samples,
+            out / "traces" / name,
+            data_spec=f"{spec} followups={fu} seed={cfg.seed}",
+            answer=cfg.answer,
+            shard_size=cfg.shard_size,
+            store_queries=cfg.store_queries,
+            progress=(lambda i, n, s=stage: progress(s, i, n, {})) if progress else None,
+            compress=cfg.compress,
+        )
+    train_traces = load_traces([dirs["train"]])
+    held = load_traces([dirs["heldout"]])
+    res = train_agents(
+        train_traces,
+        agent_config(signature, cfg, fixed_grid=family_of(model) == FIXED),
+        train_cfg,
+        out_dir=out,
+        progress=(lambda step, rec: progress("train kvp", step, train_cfg.steps, rec)) if progress else None,
+    )
+    table = heldout_table(res.agents, held, cfg.seed)
+    atomic_write_json(out / "heldout.json", {str(k): v for k, v in table.items()}, indent=1)
+    training = {
+        "train": asdict(train_cfg),
+        "data": cfg.data,
+        "heldout_data": held_spec,
+        "train_samples": len(train_traces),
+        "heldout_samples": len(held),
+        "followups": fu,
+        "answer": cfg.answer,
+        "compress": cfg.compress,
+        "heldout_cost": {k: v["cost"] for k, v in table.items()},
+    }
+    save_agents(res.agents, out, signature, training)
+    logger.info("agents written to %s", out)
+    return PipelineResult(res.agents, table, training)

@@ -24,9 +24,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..cache import request_info
 from ..errors import ConfigError, DataError, ModelError
+from ..geometry import GEOMETRY_INPUTS, image_geometry
+from ..pages import layout_pages
 from ..policies.base import IMAGE, PAD
 from ..policies.router import HybridRouter, RouterConfig, model_signature, pool_page_content
+from ..zoo.generate import TrainSampler
+from .traces import load_samples
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,6 @@ class Prompt:
 
 def zoo_prompts(n: int, seed: int) -> list[Prompt]:
     """Prompts from the bundled scene generator's train split (never the dev sets)."""
-    from ..zoo.generate import TrainSampler
 
     sampler = TrainSampler(seed=seed)
     out = []
@@ -70,7 +74,6 @@ def load_prompts(spec: str, seed: int = 0) -> list[Prompt]:
     if spec.startswith("zoo"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else 256
         return zoo_prompts(n, seed)
-    from .traces import load_samples
 
     samples = load_samples(spec, seed=seed)
     out = [Prompt(s.images[0], s.question) for s in samples if s.images]
@@ -104,9 +107,6 @@ def capture_router_data(
     keep_tiles: bool = False,
 ) -> list[RouterSample]:
     """Run the plain model with eager attention over each prompt and record the routing targets."""
-    from ..cache import request_info
-    from ..geometry import GEOMETRY_INPUTS, image_geometry
-    from ..pages import layout_pages
 
     lm = _lm(model)
     cfg = model.config

@@ -30,16 +30,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import ConfigError, DataError, ModelError, ResultsError
+from ..files import atomic_write_bytes, atomic_write_text
+from ..geometry import GEOMETRY_INPUTS, image_geometry
 from ..policies.base import IMAGE, TEXT
-from ..policies.kvp_io import atomic_write_bytes
 from ..policies.signature import model_signature
+from ..prompts import COMPRESS_AT
+from ..zoo.generate import TrainSampler
+from ..zoo.vocab import COLORS, SHAPES
 
 logger = logging.getLogger(__name__)
-# where the cache is compressed, as the evaluation's --compress: after the whole prompt, or right after the
-# image (the question not yet read)
-COMPRESS_AT = ("prompt", "image")
 
 MANIFEST = "manifest.json"
 CAPTURE_ATTN = "mm_oval_kvp_capture"
@@ -65,9 +71,6 @@ class TraceSample:
 def toy_samples(n: int, seed: int = 0, image_size: int = 128) -> list[TraceSample]:
     """Tiny built-in scenes (coloured shapes on a grid, one question each), words from the bundled vocabulary.
     For tests and smoke runs; real training uses the zoo's generator or an MMBench / VQA-format file."""
-    from PIL import Image, ImageDraw
-
-    from ..zoo.vocab import COLORS, SHAPES
 
     rng = random.Random(seed)
     out = []
@@ -97,8 +100,6 @@ def toy_samples(n: int, seed: int = 0, image_size: int = 128) -> list[TraceSampl
 
 
 def _decode_image(b64: str, where: str) -> Any:
-    from PIL import Image
-
     try:
         return Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
     except Exception as e:  # noqa: BLE001 - any decoding failure is a data error for the user
@@ -134,7 +135,6 @@ def mmbench_samples(path: Path) -> list[TraceSample]:
 
 def jsonl_samples(path: Path) -> list[TraceSample]:
     """JSON lines with `question`, `answer` and `image` (a file path relative to the JSONL, or base64)."""
-    from PIL import Image
 
     out = []
     with open(path, encoding="utf-8") as f:
@@ -174,7 +174,6 @@ def zoo_samples(split: str, n: int, seed: int, followups: int = 0) -> list[Trace
     evaluation prompts (VQA or MMBench style) and `followups` later questions about the same scene.
     `split="heldout"` draws from another seed, for held-out traces that share no scene with `train` (the dev
     sets are kept for evaluation)."""
-    from ..zoo.generate import TrainSampler
 
     if split not in ("train", "heldout"):
         raise DataError(f"zoo split {split!r}: use zoo:train[:N] or zoo:heldout[:N]")
@@ -262,9 +261,6 @@ def _register_capture_attention() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         if _ACTIVE is not None and getattr(module, "layer_idx", None) is not None:
@@ -365,8 +361,6 @@ def capture_sample(
             "model whose attention goes through transformers' attention interface"
         )
     out = {k: torch.cat([rec.layers[i][k] for i in range(L)], dim=0) for k in rec.layers[0]}
-    from ..geometry import GEOMETRY_INPUTS, image_geometry
-
     # image tokens and their (grid, row, col) as the cache sees them (newlines are text), prompt part
     pixel = {k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS}
     geo = image_geometry(model, inputs["input_ids"], None, **pixel)
@@ -408,7 +402,6 @@ def capture_traces(
 ) -> Path:
     """Capture traces for `samples` into `out_dir` (shard_XXXXX.safetensors + manifest.json). Resumes a
     previous capture of the same model, data and settings after its last complete shard."""
-    from safetensors.torch import save
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -457,13 +450,12 @@ def capture_traces(
         name = f"shard_{len(manifest['shards']):05d}.safetensors"
         atomic_write_bytes(out_dir / name, save(tensors, metadata={"sample_ids": json.dumps(ids)}))
         manifest["shards"].append({"file": name, "count": len(chunk), "sample_ids": ids})
-        atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+        atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
     return out_dir
 
 
 def iter_traces(trace_dir: str | Path) -> Iterator[dict[str, torch.Tensor]]:
     """Every captured sample of a trace directory, in capture order, as a dict of tensors."""
-    from safetensors.torch import load_file
 
     trace_dir = Path(trace_dir)
     manifest = _read_manifest(trace_dir)

@@ -19,7 +19,10 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
-from .generate import BACKGROUND, GRID, IMAGE_SIZE, VQA_SUFFIX, image_name
+from ..modelfiles import load_model
+from ..prompts import chat_prompt, short_answer_prompt
+from . import bundled_data_dir, bundled_model_path
+from .generate import BACKGROUND, GRID, IMAGE_SIZE, image_name
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +55,7 @@ def first_token_answers(model, processor, items: list[dict], data_dir: Path, bla
     preds, attn = [], []
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        prompts = [
-            processor.apply_chat_template(
-                [
-                    {
-                        "role": "user",
-                        "content": [{"type": "image"}, {"type": "text", "text": it["question"] + VQA_SUFFIX}],
-                    }
-                ],
-                add_generation_prompt=True,
-            )
-            for it in chunk
-        ]
+        prompts = [chat_prompt(processor, short_answer_prompt(it["question"])) for it in chunk]
         if blank:
             images = [Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND) for _ in chunk]
         else:
@@ -89,14 +81,12 @@ def first_token_answers(model, processor, items: list[dict], data_dir: Path, bla
 
 def grounding_report(model_path: str | Path | None = None, data_dir: str | Path | None = None, limit: int | None = None,
                      model=None, processor=None) -> dict:  # fmt: skip
-    from ..modelfiles import load_llava
-    from . import bundled_data_dir, bundled_model_path
 
     data_dir = Path(data_dir) if data_dir else bundled_data_dir()
     items = load_vqa_items(data_dir, limit)
     if model is None:
         model_path = Path(model_path) if model_path else bundled_model_path()
-        model, processor = load_llava(model_path, attn_implementation="eager")
+        model, processor = load_model(model_path, "cpu", attn_implementation="eager")
     preds, attn = first_token_answers(model, processor, items, data_dir, want_attention=True)
     blank_preds, _ = first_token_answers(model, processor, items, data_dir, blank=True)
 

@@ -9,6 +9,10 @@ import logging
 from dataclasses import fields
 
 from ..errors import ConfigError
+from ..files import atomic_write_text
+from .check import grounding_report
+from .generate import DevSizes, generate_dev_sets
+from .train import TrainConfig, train
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "train", help="train the tiny LLaVA from scratch (resumes from OUT/train_state.ckpt.pt)"
     )
     t.add_argument("--out", required=True, help="run directory; the exported model goes to OUT/model")
-    from .train import TrainConfig
 
     for f in fields(TrainConfig):
         flag = f"--{f.name.replace('_', '-')}"
@@ -49,8 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.zoo_command == "generate":
-        from .generate import DevSizes, generate_dev_sets
-
         sizes = DevSizes(
             vqa_images=args.vqa_images, pope_images=args.pope_images, mmbench_questions=args.mmbench_questions
         )
@@ -58,21 +59,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(counts))
         return 0
     if args.zoo_command == "train":
-        from .train import TrainConfig, train
-
         cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
         path = train(args.out, cfg)
         print(path)
         return 0
     if args.zoo_command == "check":
-        from .check import grounding_report
-
         report = grounding_report(model_path=args.model, data_dir=args.data)
         text = json.dumps(report, indent=1)
         print(text)
         if args.json:
-            from .generate import _atomic_write
-
-            _atomic_write(__import__("pathlib").Path(args.json), text)
+            atomic_write_text(args.json, text)
         return 0
     raise ConfigError(f"unknown zoo command {args.zoo_command!r}")

@@ -18,9 +18,7 @@ import csv
 import io
 import json
 import logging
-import os
 import random
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +26,14 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from ..errors import ConfigError
+from ..files import atomic_write_bytes, atomic_write_text
+from ..prompts import (
+    MMBENCH_INSTRUCTION,
+    OPTION_LETTERS,
+    SHORT_ANSWER_PROMPT,
+    mmbench_prompt,
+    short_answer_prompt,
+)
 from .vocab import COLORS, NUMBER_WORDS, SHAPES
 
 log = logging.getLogger(__name__)
@@ -49,9 +55,9 @@ RGB = {
 assert set(RGB) == set(COLORS)
 
 # the LLaVA-1.5 evaluation prompts (the harness builds exactly these; training uses them too)
-VQA_SUFFIX = "\nAnswer the question using a single word or phrase."
-MMB_SUFFIX = "\nAnswer with the option's letter from the given choices directly."
-LETTERS = "ABCD"
+VQA_SUFFIX = "\n" + SHORT_ANSWER_PROMPT
+MMB_SUFFIX = "\n" + MMBENCH_INSTRUCTION
+LETTERS = "".join(OPTION_LETTERS)
 
 # question types (VQA question_type / targets.json "type"); MMBench adds "hint lookup"
 COLOR_OF_SHAPE = "color of shape"
@@ -149,13 +155,10 @@ class Question:
     keys: list[tuple[str, int]] = field(default_factory=list)
 
     def mmbench_prompt(self) -> str:
-        body = (self.hint + "\n" + self.text) if self.hint else self.text
-        for letter, opt in zip(LETTERS, self.options):
-            body += f"\n{letter}. {opt}"
-        return body + MMB_SUFFIX
+        return mmbench_prompt(self.text, self.hint, self.options)
 
     def vqa_prompt(self) -> str:
-        return self.text + VQA_SUFFIX
+        return short_answer_prompt(self.text)
 
 
 def _cells(objs: list[Obj]) -> list[tuple[int, int]]:
@@ -350,19 +353,6 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def _atomic_write(path: Path, data: bytes | str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 @dataclass
 class DevSizes:
     vqa_images: int = 60  # x 5 question types = 300 VQA questions
@@ -410,7 +400,7 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
     questions, annotations = [], []
     for _ in range(sizes.vqa_images):
         scene, qs = _scene_with(rng, sizes, list(VQA_TYPES))
-        _atomic_write(out / "images" / image_name(image_id), png_bytes(scene.render()))
+        atomic_write_bytes(out / "images" / image_name(image_id), png_bytes(scene.render()))
         for k, q in enumerate(qs):
             qid = image_id * 1000 + k
             questions.append({"question_id": qid, "image_id": image_id, "question": q.text})
@@ -435,7 +425,7 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
             targets["vqav2"][str(qid)] = {"type": q.qtype, "answer": q.answer, "targets": q.targets}
         image_id += 1
     info = {"description": "mm-oval synthetic VQAv2-format dev set", "version": "1.0", "seed": seed}
-    _atomic_write(
+    atomic_write_text(
         out / "vqav2_dev_questions.json",
         json.dumps(
             {
@@ -447,7 +437,7 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
             }
         ),
     )
-    _atomic_write(
+    atomic_write_text(
         out / "vqav2_dev_annotations.json",
         json.dumps({"info": info, "data_type": "synth", "data_subtype": "dev", "annotations": annotations}),
     )
@@ -470,7 +460,7 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
                 break
         else:  # pragma: no cover - a 3..8 object scene always works
             raise ConfigError("could not draw a POPE scene")
-        _atomic_write(out / "images" / image_name(image_id), png_bytes(scene.render()))
+        atomic_write_bytes(out / "images" / image_name(image_id), png_bytes(scene.render()))
         present = rng.sample(sorted(pairs), 3)
         items = []
         for (color, shape), kind in zip(present, ("random", "popular", "adversarial")):
@@ -500,7 +490,7 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
             }
             qid += 1
         image_id += 1
-    _atomic_write(out / "pope_dev.jsonl", "\n".join(pope_lines) + "\n")
+    atomic_write_text(out / "pope_dev.jsonl", "\n".join(pope_lines) + "\n")
 
     # MMBench: multiple choice with circular rotations; a fifth of the rows need their hint, a fifth carry
     # a distractor hint
@@ -527,7 +517,7 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
     writer = csv.writer(buf, delimiter="\t", lineterminator="\n", quoting=csv.QUOTE_MINIMAL)
     writer.writerow(MMB_COLUMNS)
     writer.writerows(rows)
-    _atomic_write(out / "mmbench_dev.tsv", buf.getvalue())
+    atomic_write_text(out / "mmbench_dev.tsv", buf.getvalue())
 
     meta = {
         "seed": seed,
@@ -536,7 +526,7 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
         "image_size": IMAGE_SIZE,
         "targets_are": "0-based (row, col) cells; patch index = row * 8 + col; questions number rows/columns from 1",
     }
-    _atomic_write(out / "targets.json", json.dumps({"meta": meta, **targets}, indent=0))
+    atomic_write_text(out / "targets.json", json.dumps({"meta": meta, **targets}, indent=0))
     counts = {
         "vqav2": len(questions),
         "pope": len(pope_lines),

@@ -22,10 +22,10 @@ The learned recipe:
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, DataError
+from ..files import atomic_write_bytes
 from ..modelfiles import load_checkpoint
 from . import circuit
 from .generate import COLORS, GRID, LETTERS, MMB_SUFFIX, SHAPES, VQA_SUFFIX, Question, TrainSampler
@@ -787,9 +788,9 @@ class Trainer:
             "config": asdict(self.cfg),
             "retrieval_fitted": self.retrieval_fitted,
         }
-        tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.ckpt_path)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(self.ckpt_path, buf.getvalue())
 
     def _log(self, record: dict) -> None:
         with open(self.log_path, "a") as f:

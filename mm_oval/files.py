@@ -1,0 +1,89 @@
+"""The project's one way to write a file: atomically, through a temporary file in the same folder and
+`os.replace`, so a reader never sees a half-written file and a crash leaves the previous version intact.
+
+    atomic_write_bytes(path, data)     atomic_write_text(path, text)     atomic_write_json(path, obj)
+
+The folder is created when missing. The file gets the user's usual permissions (0666 less the umask), like
+any file the user creates. A temporary file left behind by a killed writer is named `.{name}.{random}.tmp`
+and removed by `remove_stale_tmp` (the evaluation runner calls it under its folder lock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TMP_SUFFIX = ".tmp"
+# `.{name}.{random}.tmp`: the temporary files of `atomic_write_bytes` (and of tempfile.mkstemp, used before)
+_TMP_NAME = re.compile(r"^\..+\.[A-Za-z0-9_]{6,}\.tmp$")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` atomically (see the module docstring)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        try:
+            # os.open applies the umask to 0o666 (tempfile.mkstemp would make it 0600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """`atomic_write_bytes` of `text` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2, default: Any = None) -> None:
+    """`obj` as JSON (UTF-8, non-ASCII kept as is, a final newline); `default` as for `json.dumps`."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False, default=default) + "\n")
+
+
+def remove_stale_tmp(folder: str | os.PathLike) -> list[str]:
+    """Delete the temporary files an interrupted atomic write left in `folder`; return their names.
+    Only call it while no other process writes into the folder (the runner holds the folder's lock)."""
+    removed: list[str] = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for f in folder.iterdir():
+        if _TMP_NAME.match(f.name) and f.is_file():
+            try:
+                f.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(f.name)
+    if removed:
+        log.info("%s: removed %d temporary file(s) of an interrupted write", folder, len(removed))
+    return removed
+
+
+def is_missing(cell: Any) -> bool:
+    """`pandas.isna` on one cell of a table read with pandas (None, NaN, pandas' NA and NaT): what the
+    official tools treat as an empty cell."""
+    if cell is None:
+        return True
+    if isinstance(cell, float):
+        return math.isnan(cell)
+    return type(cell).__name__ in ("NAType", "NaTType")
