@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
+from mm_oval.files import atomic_write_bytes
 from mm_oval.modelfiles import load_model
 from mm_oval.policies.base import Rope, make_eviction, topk_mask
 from mm_oval.policies.budgets import pyramid_counts, shared_head_keep
 from mm_oval.policies.kvp_agents import KVPAgentConfig
-from mm_oval.policies.kvp_io import atomic_write_bytes, bundled_agents_path, load_agents
+from mm_oval.policies.kvp_io import bundled_agents_path, load_agents
 from mm_oval.training.kvp import (
     TrainConfig,
     agent_scorer,

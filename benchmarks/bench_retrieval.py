@@ -28,12 +28,9 @@ the share printed is a ratio from one run.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -42,6 +39,7 @@ import torch
 import mm_oval
 from mm_oval.cache import request_info
 from mm_oval.config import OvalConfig
+from mm_oval.files import atomic_write_json
 from mm_oval.pages import layout_pages
 from mm_oval.policies.base import IMAGE, PAD, DecodeContext, PageBatch, RequestState, make_retrieval
 from mm_oval.stats import get_stats
@@ -380,11 +378,7 @@ def main() -> int:
         d, s = r["decode_ms_per_step"], r["select_ms_per_step"]
         print(f"{name:<22}{d:>16.2f}{d / base:>9.2f}{s:>16.3f}{s / d:>14.1%}")
     if args.out:
-        d = os.path.dirname(os.path.abspath(args.out))
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"model": where, "args": vars(args), "quality": q, "cost": c}, f, indent=2)
-        os.replace(tmp, args.out)
+        atomic_write_json(args.out, {"model": where, "args": vars(args), "quality": q, "cost": c})
     return 0
 
 

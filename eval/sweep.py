@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..config import budget_field
 from ..errors import ConfigError, MmOvalError
 from ..files import atomic_write_json, atomic_write_text
 from .plots import plot_sweep
@@ -193,6 +194,14 @@ def markdown_table(summary: dict[str, Any]) -> str:
             score = "n/a" if c["primary"] is None else f"{c['primary']:.2f}"
             row.append(score + (f" ({100 * kept:.0f}%)" if kept is not None else ""))
         lines.append(f"| {m} | " + " | ".join(row) + " |")
+    read = [m for m in summary["methods"] if budget_field(m) == "read_budget"]
+    if read:
+        lines += [
+            "",
+            f"For {', '.join(read)} (retrieval) the budget is `read_budget`, the share of image pages each decode "
+            "step reads, and the whole cache stays resident; for every other method it is `budget`, the share "
+            "of the image KV kept.",
+        ]
     r = summary.get("rules")
     if r:
         src = r["source"]

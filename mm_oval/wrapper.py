@@ -48,7 +48,7 @@ from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .core import Rope
 from .errors import ConfigError, ModelError
-from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry, tokens_per_view
+from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry
 from .registry import make_eviction, make_retrieval
 from .stats import cache_stats
 
@@ -65,7 +65,6 @@ class WrapState:
     retrieval: Any
     hooks: list = field(default_factory=list)
     last_stats: dict | None = None
-    tokens_per_image: int = 0
     rope: Rope | None = None  # the language model's rotary embedding, handed to eviction policies
 
 
@@ -81,12 +80,6 @@ def _language_model(model: Any) -> Any:
             "e.g. llava-hf/llava-1.5-7b-hf or mm_oval.zoo's tiny model"
         )
     return lm
-
-
-def _tokens_per_image(model: Any) -> int:
-    """Tokens of one image_size view (LLaVA-1.5: of one image); 0 where every image has its own size
-    (Qwen2-VL). The per-request count and layout come from mm_oval.geometry."""
-    return tokens_per_view(model)
 
 
 def _eager_of(module: Any):
@@ -316,7 +309,7 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     inner = lm.config._attn_implementation or "eager"
     if inner.startswith(PREFIX):
         inner = inner[len(PREFIX) :]
-    state = WrapState(config, inner, eviction, retrieval, tokens_per_image=_tokens_per_image(model))
+    state = WrapState(config, inner, eviction, retrieval)
     rotary = getattr(lm, "rotary_emb", None)
     state.rope = Rope(rotary) if rotary is not None else None
     lm.config._attn_implementation = _register(inner)

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from mm_oval.eval.sweep import cell_dir_name, parse_budgets, parse_methods, run_sweep
+from mm_oval.eval.sweep import cell_dir_name, markdown_table, parse_budgets, parse_methods, run_sweep
 from mm_oval.eval.vqa import VQAv2Task
 
 from mm_oval.cli import main
@@ -188,3 +188,13 @@ def test_sweep_plot_is_written_with_the_users_permissions(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out.stat().st_mode & 0o777) == 0o640  # not tempfile's 0600
     assert [p.name for p in out.parent.iterdir()] == ["sweep.png"]  # no temporary file left
+
+
+def test_the_table_says_which_methods_budget_is_a_read_budget():
+    cells = [{"method": m, "budget": 0.25, "primary": 90.0} for m in ("snapkv", "quest:sink_tokens=3")]
+    summary = {"task": "vqav2", "primary_metric": "overall", "budgets": [0.25], "full_ran": False,
+               "methods": ["snapkv", "quest:sink_tokens=3"], "cells": cells}  # fmt: skip
+    table = markdown_table(summary)
+    assert "For quest:sink_tokens=3 (retrieval) the budget is `read_budget`" in table
+    assert "snapkv (retrieval)" not in table and "snapkv" in table
+    assert "read_budget" not in markdown_table({**summary, "methods": ["snapkv"], "cells": cells[:1]})

@@ -5,15 +5,16 @@ were trained for, their shape, how they were trained), and the bundled agents of
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 
 from ..errors import ModelError
+from ..files import atomic_write_bytes
 from .kvp_agents import KVPAgentConfig, KVPAgents
 
 CONFIG_NAME = "kvp_config.json"
@@ -22,26 +23,10 @@ FORMAT = "mm-oval-kvp"
 FORMAT_VERSION = 1
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes the file private; results and agents are shared files
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_agents(
     agents: KVPAgents, directory: str | Path, model_sig: dict, training: dict | None = None
 ) -> Path:
     """Write kvp_agents.safetensors + kvp_config.json (model shape, fingerprint, agent shape, training)."""
-    from safetensors.torch import save
-
     directory = Path(directory)
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in agents.state_dict().items()}
     atomic_write_bytes(directory / WEIGHTS_NAME, save(tensors))
@@ -65,8 +50,6 @@ class LoadedAgents:
 
 
 def load_agents(directory: str | Path, device: str | torch.device | None = None) -> LoadedAgents:
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     cfg_path = directory / CONFIG_NAME
     if not cfg_path.is_file() or not (directory / WEIGHTS_NAME).is_file():
@@ -74,8 +57,6 @@ def load_agents(directory: str | Path, device: str | torch.device | None = None)
             f"{directory} holds no KVP agents (expected {CONFIG_NAME} and {WEIGHTS_NAME}); "
             "train them with `mm-oval train-kvp --model ... --data ... --out DIR`"
         )
-    from safetensors import SafetensorError
-
     try:
         cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

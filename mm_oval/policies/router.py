@@ -26,8 +26,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -35,10 +33,11 @@ from typing import Any, ClassVar
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from ..errors import ConfigError, DataError, ModelError
+from ..files import atomic_write_bytes, atomic_write_json
 from . import signature
 from .base import IMAGE, DecodeContext, PageBatch, RetrievalPolicy, register_retrieval
 
@@ -252,16 +251,8 @@ def save_router(router: HybridRouter, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
-    os.close(fd)
-    save_file(state, tmp)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out / WEIGHTS_FILE)
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": "mm-oval-router-1", **asdict(router.config)}, f, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out / CONFIG_FILE)
+    atomic_write_bytes(out / WEIGHTS_FILE, save(state))
+    atomic_write_json(out / CONFIG_FILE, {"format": "mm-oval-router-1", **asdict(router.config)})
     return out
 
 
