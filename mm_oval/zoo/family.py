@@ -222,16 +222,11 @@ def build_tiny_llava_onevision(
     return model, processor
 
 
-def build_tiny_qwen2_5_vl(seed: int = 0, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
-    """A random tiny Qwen2.5-VL (8 px patches merged 2 x 2: a 16 px cell per image token, any image size
-    between 32 x 32 and 96 x 96 px; M-RoPE sections (2, 3, 3) over a 16-dim head; 2 layers) and its
-    Qwen2_5_VLProcessor."""
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-    )
+def _build_tiny_qwen(config_cls: Any, model_cls: Any, processor_cls: Any, vision: dict, seed: int,
+                     attn_implementation: str) -> tuple[Any, Any]:  # fmt: skip
+    """A random tiny Qwen-VL of `config_cls` (8 px patches merged 2 x 2: a 16 px cell per image token, any
+    image size between 32 x 32 and 96 x 96 px; M-RoPE sections (2, 3, 3) over a 16-dim head; 2 layers)."""
+    from transformers import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     tok = build_family_tokenizer(
@@ -240,83 +235,58 @@ def build_tiny_qwen2_5_vl(seed: int = 0, attn_implementation: str = "sdpa") -> t
     ids = {t: tok.convert_tokens_to_ids(t) for t in FAMILY_SPECIAL}
     text = _text_kwargs(tok, 2, 64, 4, 2)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    cfg = config_cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    cfg.pad_token_id = tok.pad_token_id
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = _finish(model_cls(cfg), tok)
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=96 * 96
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=64 * 64
+    )
+    processor = processor_cls(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=video_processor,
+        chat_template=QWEN_TEMPLATE,
+    )
+    return model, processor
+
+
+def build_tiny_qwen2_5_vl(seed: int = 0, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
+    """A random tiny Qwen2.5-VL (`_build_tiny_qwen`, with window attention) and its Qwen2_5_VLProcessor."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
     vision = dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
         temporal_patch_size=2, window_size=32, out_hidden_size=64, fullatt_block_indexes=[1],
     )  # fmt: skip
-    cfg = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    cfg.pad_token_id = tok.pad_token_id
-    cfg._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = _finish(Qwen2_5_VLForConditionalGeneration(cfg), tok)
-    image_processor = Qwen2VLImageProcessor(
-        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=96 * 96
-    )
-    video_processor = Qwen2VLVideoProcessor(
-        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=64 * 64
-    )
-    processor = Qwen2_5_VLProcessor(
-        image_processor=image_processor,
-        tokenizer=tok,
-        video_processor=video_processor,
-        chat_template=QWEN_TEMPLATE,
-    )
-    return model, processor
+    return _build_tiny_qwen(
+        Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, vision, seed,
+        attn_implementation,
+    )  # fmt: skip
 
 
 def build_tiny_qwen2_vl(seed: int = 0, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
-    """A random tiny Qwen2-VL (the Qwen2.5-VL layout without window attention: 8 px patches merged 2 x 2,
-    M-RoPE sections (2, 3, 3); 2 layers) and its Qwen2VLProcessor."""
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-    )
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    """A random tiny Qwen2-VL (the Qwen2.5-VL layout without window attention) and its Qwen2VLProcessor."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
-    tok = build_family_tokenizer(
-        QWEN_TEMPLATE, bos=False, image_token="<|image_pad|>", video_token="<|video_pad|>"
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in FAMILY_SPECIAL}
-    text = _text_kwargs(tok, 2, 64, 4, 2)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     vision = dict(
         depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=8, spatial_merge_size=2,
         temporal_patch_size=2,
     )  # fmt: skip
-    cfg = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+    return _build_tiny_qwen(
+        Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor, vision, seed, attn_implementation
     )
-    cfg.pad_token_id = tok.pad_token_id
-    cfg._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = _finish(Qwen2VLForConditionalGeneration(cfg), tok)
-    image_processor = Qwen2VLImageProcessor(
-        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=96 * 96
-    )
-    video_processor = Qwen2VLVideoProcessor(
-        patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=64 * 64
-    )
-    processor = Qwen2VLProcessor(
-        image_processor=image_processor,
-        tokenizer=tok,
-        video_processor=video_processor,
-        chat_template=QWEN_TEMPLATE,
-    )
-    return model, processor
 
 
 BUILDERS = {
