@@ -40,6 +40,7 @@ from transformers import DynamicCache
 from ..config import OvalConfig
 from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..files import atomic_write_json, remove_stale_tmp
+from ..geometry import SUPPORTED_CLASSES
 from ..modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
 from ..prompts import COMPRESS_AT, chat_prompt, to_model
 from ..stats import get_stats
@@ -109,8 +110,6 @@ def parse_budget(raw: str | float | int | None) -> float | int | None:
 
 
 def check_llava(model: Any) -> None:
-    from mm_oval.geometry import SUPPORTED_CLASSES
-
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in SUPPORTED_CLASSES or getattr(cfg, "image_token_id", None) is None:
         raise ModelError(
