@@ -27,8 +27,8 @@ from .cache import PagedMultimodalCache
 from .config import OvalConfig
 from .errors import ConfigError
 from .geometry import FIXED, family_of, grid_shape, tokens_per_view
-from .policies.base import make_eviction, make_retrieval
 from .prompts import chat_prompt, load_image, to_model
+from .registry import make_eviction, make_retrieval
 from .stats import cache_stats
 from .wrapper import _language_model, unwrap, wrap
 
