@@ -41,7 +41,15 @@ from mm_oval.cache import request_info
 from mm_oval.config import OvalConfig
 from mm_oval.files import atomic_write_json
 from mm_oval.pages import layout_pages
-from mm_oval.policies.base import IMAGE, PAD, DecodeContext, PageBatch, RequestState, make_retrieval
+from mm_oval.policies.base import (
+    IMAGE,
+    PAD,
+    DecodeContext,
+    PageBatch,
+    RequestState,
+    StepState,
+    make_retrieval,
+)
 from mm_oval.stats import get_stats
 from mm_oval.training.router import zoo_prompts
 
@@ -215,7 +223,7 @@ def quality(
                         cand,
                         scale,
                         module,
-                        {"last_hidden": box["hidden"][:, i - 1]},
+                        StepState(last_hidden=box["hidden"][:, i - 1]),
                     )
                     picks = {}
                     for name, pol in policies.items():
