@@ -248,10 +248,10 @@ class MmOvalLlava(lmms):
         wrapped = getattr(model, "_mm_oval", None) is not None
         with torch.inference_mode():
             if wrapped:
-                from ..wrapper import _prepare_request, new_cache
+                from ..wrapper import _begin_request, new_cache
 
                 cache = new_cache(model)
-                _prepare_request(model, cache, ctx["input_ids"], ctx)
+                _begin_request(model, cache, ctx["input_ids"], ctx)
             else:
                 from transformers import DynamicCache
 
