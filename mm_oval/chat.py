@@ -57,7 +57,7 @@ class _ReadRecorder:
         self.inner = inner
         self.cache: Any = None
         self.grid: tuple[int, int, int] = (1, 1, 1)  # (images, rows, cols), set by the Chat
-        self.counts: dict[int, torch.Tensor] = {}  # layer -> (Hkv, images, rows, cols) steps read
+        self.counts: dict[int, torch.Tensor] = {}  # layer -> (Hkv, grids, rows, cols) steps read
         self.steps: dict[int, int] = {}  # layer -> decode steps seen
 
     def __getattr__(self, name: str) -> Any:  # everything else is the policy's own
@@ -81,7 +81,9 @@ class _ReadRecorder:
         """The image patches of the pages read at this step: a page holds the slots [page_start, page_start
         + page_len) of its head (the retrieval context's public fields); image slots carry their (image, row,
         col) in the layer's `slot_rc`."""
-        n_images, side_r, side_c = self.grid
+        shapes = grid_shapes(self.cache, self.grid)
+        n_grids = len(shapes)
+        side_r, side_c = max(r for r, _ in shapes), max(c for _, c in shapes)
         read = (chosen & ctx.candidates) | (~ctx.candidates & (ctx.page_len > 0))  # (B, Hkv, P_s)
         rc = self.cache.layers[ctx.layer_idx].slot_rc[0]  # (Hkv, L, 3)
         start, length = ctx.page_start[0], ctx.page_len[0]  # (Hkv, P_s)
@@ -91,7 +93,7 @@ class _ReadRecorder:
         H = rc.shape[0]
         counts = self.counts.get(ctx.layer_idx)
         if counts is None:
-            counts = torch.zeros(H, n_images, side_r, side_c, dtype=torch.long, device=read.device)
+            counts = torch.zeros(H, n_grids, side_r, side_c, dtype=torch.long, device=read.device)
             self.counts[ctx.layer_idx] = counts
         sel = (rc[..., 0] >= 0) & slot_read
         h = torch.arange(H, device=read.device).view(H, 1).expand_as(sel)
@@ -101,6 +103,17 @@ class _ReadRecorder:
             accumulate=True,
         )
         self.steps[ctx.layer_idx] = self.steps.get(ctx.layer_idx, 0) + 1
+
+
+def grid_shapes(cache: Any, fixed: tuple[int, int, int] | None = None) -> list[tuple[int, int]]:
+    """(rows, cols) of each image grid of the conversation, in the order of `slot_rc`'s grid index: the
+    cache's geometry (LLaVA-1.5: one grid per image; LLaVA-NeXT / OneVision: each image's base grid, then
+    its high-resolution one; Qwen2-VL: each image's merged grid), else `fixed` (images, rows, cols)."""
+    geometry = getattr(cache, "geometry", None)
+    if geometry is not None and geometry.grids and geometry.grids[0]:
+        return [(g.rows, g.cols) for g in geometry.grids[0]]
+    n, rows, cols = fixed or (1, 1, 1)
+    return [(rows, cols)] * n
 
 
 def _max_positions(model: Any) -> int | None:
@@ -253,13 +266,24 @@ class Chat:
         )
         return out
 
+    def grids(self) -> list[tuple[int, int]]:
+        """(rows, cols) of each image grid of the conversation, the index `kept_image_tokens` and
+        `page_reads` take: one grid per image for LLaVA-1.5; for LLaVA-NeXT / OneVision each image's base
+        grid, then its high-resolution grid; for Qwen2-VL each image's merged grid."""
+        return grid_shapes(self._require_cache(), self.grid if family_of(self.model) == FIXED else None)
+
+    def _grid_shape(self, image: int) -> tuple[int, int]:
+        shapes = self.grids()
+        if not 0 <= image < len(shapes):
+            what = "image(s)" if family_of(self.model) == FIXED else "image grid(s) (chat.grids())"
+            raise ConfigError(f"image {image} is out of range: this conversation has {len(shapes)} {what}")
+        return shapes[image]
+
     def kept_image_tokens(self, image: int = 0) -> torch.Tensor:
-        """(layers, KV heads, rows, cols) bool: the patches of image `image` whose keys and values each KV
-        head of each layer kept after prefill."""
+        """(layers, KV heads, rows, cols) bool: the patches of image grid `image` (see `grids`; for
+        LLaVA-1.5 the image's index) whose keys and values each KV head of each layer kept after prefill."""
         cache = self._require_cache()
-        n_images, rows, cols = self.grid
-        if not 0 <= image < n_images:
-            raise ConfigError(f"image {image} is out of range: this conversation has {n_images} image(s)")
+        rows, cols = self._grid_shape(image)
         out = []
         for layer in cache.layers:
             L0 = layer.prompt_slots
@@ -282,9 +306,7 @@ class Chat:
                 "page reads were not recorded: create the Chat with record_reads=True and a retrieval "
                 "method (e.g. method='full:retrieval=oval,read_budget=0.25')"
             )
-        n_images, rows, cols = self.grid
-        if not 0 <= image < n_images:
-            raise ConfigError(f"image {image} is out of range: this conversation has {n_images} image(s)")
+        rows, cols = self._grid_shape(image)
         cache = self._cache
         out = []
         for i, layer in enumerate(cache.layers):
@@ -293,7 +315,7 @@ class Chat:
             if counts is None or steps == 0:
                 out.append(torch.zeros(layer.keys.shape[1], rows, cols))
             else:
-                out.append(counts[:, image].float().cpu() / steps)
+                out.append(counts[:, image, :rows, :cols].float().cpu() / steps)
         return torch.stack(out)
 
     @property
@@ -308,9 +330,9 @@ class Chat:
         """(images, rows, cols) of the patch grid."""
         if family_of(self.model) != FIXED:  # grids of their own sizes, several per image
             raise ConfigError(
-                f"the kept-patch and page-read maps are drawn on LLaVA-1.5's one grid per image; "
-                f"{type(self.model).__name__} gives each image grids of their own sizes: read "
-                "chat.stats(), or the cache's geometry (cache.geometry.grids) and layer.slot_rc"
+                f"{type(self.model).__name__} gives each image grids of their own sizes, not one "
+                "(images, rows, cols) grid: chat.grids() lists them, and kept_image_tokens(g) / page_reads(g) "
+                "draw grid g"
             )
         return (len(self.images), *grid_shape(self.tokens_per_image))
 
@@ -324,7 +346,8 @@ class Chat:
         retrieval = self._retrieval
         if retrieval is not None and self.record_reads:
             retrieval = self._recorder = _ReadRecorder(retrieval)
-            self._recorder.grid = self.grid
+            if family_of(self.model) == FIXED:
+                self._recorder.grid = self.grid
         cache = PagedMultimodalCache(self.model.config.text_config, self.config, self._eviction, retrieval)
         if self._recorder is not None:
             self._recorder.cache = cache

@@ -200,14 +200,29 @@ def test_every_eviction_method_runs_or_is_refused_clearly(family):
         assert get_stats(model)["image_kv_fraction_kept"] < 1.0, method
 
 
-def test_chat_maps_of_kept_patches_are_refused_clearly_where_grids_vary(family):
-    from mm_oval.errors import ConfigError
-
+def test_chat_maps_kept_patches_and_page_reads_on_each_images_own_grids(family):
     name, model, processor = family
     mm_oval.unwrap(model)
     chat = Chat(
         model, processor, image=random_image(48, 80, 5), method="snapkv", budget=0.5, max_new_tokens=2
     )
     chat.ask("what color is the circle ?")
-    with pytest.raises(ConfigError, match="grids of their own sizes.*cache.geometry"):
-        chat.kept_image_tokens(0)
+    shapes = chat.grids()
+    assert shapes and all(r * c > 0 for r, c in shapes)
+    kept = [chat.kept_image_tokens(g) for g in range(len(shapes))]
+    for (r, c), k in zip(shapes, kept):
+        assert k.shape[-2:] == (r, c)
+    total = sum(r * c for r, c in shapes)
+    per_head = sum(k[0].flatten(1).sum(1) for k in kept)  # layer 0, each KV head
+    assert (per_head == budget_count(0.5, torch.tensor(total))).all()  # half of every grid's patches, per head
+    with pytest.raises(ConfigError, match="out of range"):
+        chat.kept_image_tokens(len(shapes))
+    with pytest.raises(ConfigError, match="chat.grids"):
+        _ = chat.grid
+    reader = Chat(model, processor, image=random_image(48, 80, 5), method="full:retrieval=quest,read_budget=0.5",
+                  record_reads=True, max_new_tokens=3)  # fmt: skip
+    reader.ask("what color is the circle ?")
+    reads = [reader.page_reads(g) for g in range(len(reader.grids()))]
+    assert all(r.shape[-2:] == s for r, s in zip(reads, reader.grids()))
+    assert all(((r >= 0) & (r <= 1)).all() for r in reads) and any((r > 0).any() for r in reads)
+
