@@ -3,8 +3,8 @@
 Two kinds of knobs, kept apart:
 - what is kept after prefill (eviction): `method`, `budget` (image tokens), `text_budget`,
   `eviction_scope` (image and text ranked separately, or together), `head_budget`;
-- what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages),
-  `read_scope` (which pages are candidates).
+- what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages)
+  or `read_bytes_budget` (the fraction of dense attention's bytes), `read_scope` (which pages are candidates).
 A knob of one kind that the configuration cannot use is refused (a budget with method "full" keeps
 everything; a read budget without a retrieval method reads everything), never silently ignored.
 `scope` and `retrieval_scope`, the former names of the two scopes, are refused with the new names.
@@ -63,6 +63,9 @@ class OvalConfig:
     retrieval: str | None = None
     retrieval_options: dict[str, Any] = field(default_factory=dict)
     read_budget: float = 1.0  # fraction of candidate pages read per decode step
+    # instead of read_budget: the bytes read per decode step and KV head (summaries scanned, selected and
+    # always-read pages' keys and values) as a fraction of dense attention's over the resident cache
+    read_bytes_budget: float | None = None
     read_scope: str = "image"  # candidate pages: "image" pages only (text pages always read), or "all"
     image_tile: int = 2
     text_page_size: int = 16
@@ -100,6 +103,21 @@ class OvalConfig:
             or not (0.0 < float(self.read_budget) <= 1.0)
         ):
             raise ConfigError(f"read_budget={self.read_budget!r} must be a fraction in (0, 1]")
+        if self.read_bytes_budget is not None:
+            if (
+                isinstance(self.read_bytes_budget, bool)
+                or not isinstance(self.read_bytes_budget, (int, float))
+                or not (0.0 < float(self.read_bytes_budget) <= 1.0)
+            ):
+                raise ConfigError(
+                    f"read_bytes_budget={self.read_bytes_budget!r} must be a fraction of dense bytes in (0, 1]"
+                )
+            if self.read_budget != 1.0:
+                raise ConfigError(
+                    f"read_budget={self.read_budget!r} and read_bytes_budget={self.read_bytes_budget!r} are both "
+                    "set: a decode step's reads are bounded by pages or by bytes, give one of them"
+                )
+            self.read_bytes_budget = float(self.read_bytes_budget)
         if not isinstance(self.method_options, dict) or not isinstance(self.retrieval_options, dict):
             raise ConfigError("method_options and retrieval_options must be dicts")
         self._check_methods()
@@ -149,7 +167,7 @@ class OvalConfig:
         if self.retrieval is None:
             unused = {
                 k: getattr(self, k)
-                for k, default in (("read_budget", 1.0), ("read_scope", "image"))
+                for k, default in (("read_budget", 1.0), ("read_bytes_budget", None), ("read_scope", "image"))
                 if getattr(self, k) != default
             }
             if self.retrieval_options:
