@@ -210,14 +210,19 @@ class OvalConfig:
           `budget` is the fraction of candidate pages read per decode step: it sets `read_budget` (a
           fraction in (0, 1]). Such a spec takes no `budget=` key (that is the eviction budget, which a
           retrieval method does not have: write `read_budget=`), and a `read_budget=` key together with
-          the `budget` argument is refused (the read budget would be given twice)."""
+          the `budget` argument is refused (the read budget would be given twice); with the bare key
+          `read_bytes_budget` ("oval:read_bytes_budget") the argument sets `read_bytes_budget` instead."""
         if not isinstance(spec, str) or not spec.strip():
             raise ConfigError(f"empty method spec {spec!r}; write 'name' or 'name:key=value,...'")
         name, _, rest = spec.strip().partition(":")
         fields: dict[str, Any] = {}
         options: dict[str, Any] = {}
         names = set(field_names())
+        bytes_axis = False  # the bare key `read_bytes_budget`: the budget argument is a bytes budget
         for item in filter(None, (p.strip() for p in rest.split(","))):
+            if item == "read_bytes_budget":
+                bytes_axis = True
+                continue
             key, eq, raw = item.partition("=")
             if not eq or not key.strip():
                 raise ConfigError(f"bad item {item!r} in method spec {spec!r}; write key=value")
@@ -231,7 +236,14 @@ class OvalConfig:
                 raise ConfigError(f"{key!r} is given twice in method spec {spec!r}; give each key once")
             (fields if key in names else options)[key] = _parse_value(raw.strip())
         name = name.strip()
-        if budget_field(name) == "read_budget":
+        retrieval_alone = budget_field(name) == "read_budget"
+        if bytes_axis and (budget is None or not retrieval_alone or "read_bytes_budget" in fields):
+            raise ConfigError(
+                f"method spec {spec!r}: the bare key read_bytes_budget makes the budget argument (a sweep's "
+                "--budgets) a bytes budget of a retrieval method named alone (e.g. 'oval:read_bytes_budget' "
+                "with budget 0.25); otherwise give it a value: read_bytes_budget=0.25"
+            )
+        if retrieval_alone:
             # a retrieval method named alone: keep the whole cache resident, read part of it per step
             if "budget" in fields or "text_budget" in fields:
                 raise ConfigError(
@@ -254,7 +266,7 @@ class OvalConfig:
                     raise ConfigError(
                         f"retrieval method {spec!r} takes a read budget in (0, 1], got {budget!r}"
                     )
-                fields["read_budget"] = float(budget)
+                fields["read_bytes_budget" if bytes_axis else "read_budget"] = float(budget)
                 budget = None
         if budget is not None:
             fields["budget"] = budget
@@ -280,9 +292,14 @@ def _refuse_renamed(given: dict[str, Any]) -> None:
 
 def budget_field(method: str) -> str:
     """The OvalConfig field a spec's budget axis sets (`from_spec(spec, budget)`, a sweep's `--budgets`):
-    "read_budget" for a retrieval method named alone (e.g. "oval"), "budget" otherwise."""
-    name = method.strip().partition(":")[0].strip() if isinstance(method, str) else method
-    return "read_budget" if isinstance(name, str) and is_retrieval_only(name) else "budget"
+    "read_budget" for a retrieval method named alone (e.g. "oval"), "read_bytes_budget" for one whose spec
+    holds the bare key `read_bytes_budget` (e.g. "oval:read_bytes_budget"), "budget" otherwise."""
+    name, _, rest = method.strip().partition(":") if isinstance(method, str) else (method, "", "")
+    name = name.strip() if isinstance(name, str) else name
+    if not (isinstance(name, str) and is_retrieval_only(name)):
+        return "budget"
+    bare = {p.strip() for p in rest.split(",")}
+    return "read_bytes_budget" if "read_bytes_budget" in bare else "read_budget"
 
 
 def field_names() -> list[str]:

@@ -8,9 +8,11 @@ import json
 
 import pytest
 import torch
+from mm_oval.eval.runner import summarize_kv
+from mm_oval.eval.sweep import markdown_table
 
 import mm_oval
-from mm_oval.config import OvalConfig
+from mm_oval.config import OvalConfig, budget_field
 from mm_oval.errors import ConfigError
 from mm_oval.policies.base import IMAGE
 from mm_oval.stats import get_stats
@@ -213,3 +215,31 @@ def test_a_bytes_budget_is_checked_with_a_message(kw, match):
 def test_a_spec_sets_the_bytes_budget():
     cfg = OvalConfig.from_spec("oval:read_bytes_budget=0.25")
     assert cfg.retrieval == "oval" and cfg.read_bytes_budget == 0.25 and cfg.read_budget == 1.0
+
+
+def test_a_sweeps_budget_axis_is_a_bytes_budget_for_a_spec_with_the_bare_key():
+    assert budget_field("oval:read_bytes_budget") == "read_bytes_budget"
+    assert budget_field("oval:rank=4") == "read_budget" and budget_field("snapkv") == "budget"
+    cfg = OvalConfig.from_spec("oval:read_bytes_budget,rank=4", 0.1)
+    assert cfg.read_bytes_budget == 0.1 and cfg.read_budget == 1.0 and cfg.retrieval_options == {"rank": 4}
+    for spec, budget in (("oval:read_bytes_budget", None), ("snapkv:read_bytes_budget", 0.25)):
+        with pytest.raises(ConfigError, match="bare key read_bytes_budget"):
+            OvalConfig.from_spec(spec, budget)
+
+
+def test_the_run_summary_and_the_sweep_table_give_the_bytes_read_of_retrieval_rows():
+    rows = [{"kv_bytes_full": 10, "kv_bytes_kept": 10, "bytes_read": {"total": {"read": r, "dense": 100}}}
+            for r in (50, 150)]  # fmt: skip
+    kv = summarize_kv(rows)
+    assert kv["bytes_read"] == 200 and kv["bytes_dense"] == 200 and kv["read_vs_dense"] == 1.0
+    assert "read_vs_dense" not in summarize_kv([{"kv_bytes_full": 10, "kv_bytes_kept": 10}])
+    methods = ["snapkv", "oval", "quest:read_bytes_budget"]
+    cells = [{"method": m, "budget": 0.25, "primary": 90.0, "kv_fraction_kept": k, "read_vs_dense": x}
+             for m, k, x in zip(methods, (0.25, 1.0, 1.0), (1.0, 1.714, 0.25))]  # fmt: skip
+    summary = {"task": "vqav2", "primary_metric": "overall", "budgets": [0.25], "full_ran": False,
+               "methods": methods, "cells": cells}  # fmt: skip
+    table = markdown_table(summary)
+    assert "| snapkv | 90.00 (25%) |" in table  # eviction rows as before
+    assert "| oval | 90.00 (100%) read 1.71x |" in table
+    assert "| quest:read_bytes_budget | 90.00 (100%) read 0.25x |" in table
+    assert "the budget is `read_bytes_budget`" in table
