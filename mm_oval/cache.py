@@ -87,6 +87,13 @@ def page_kv_bytes(page_len: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return page_len.long() * kv_bytes_per_token(keys)
 
 
+def pages_within_bytes(page_bytes: torch.Tensor, cand: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+    """(..., P) page bytes, (..., P) bool candidates, (...) bytes left for optional pages -> (...) long: the
+    most candidate pages that fit `left` whichever are picked (the count of the largest ones that fit)."""
+    sizes = torch.where(cand, page_bytes, 0).sort(-1, descending=True).values.cumsum(-1)
+    return (sizes <= left.unsqueeze(-1)).sum(-1).minimum(cand.sum(-1))
+
+
 @dataclass
 class RequestInfo:
     """What the cache knows about each prompt token of the request (B samples, N tokens)."""
@@ -521,8 +528,7 @@ class PagedLayer(CacheLayerMixin):
         dense = self.slot_valid.sum(-1) * per_token
         left = fraction * dense - summary - (page_bytes * always).sum(-1)
         self.owner.counters["read_over_budget"] += (left < 0).sum()
-        sizes = torch.where(cand, page_bytes[..., :P_s], 0).sort(-1, descending=True).values.cumsum(-1)
-        return (sizes <= left.unsqueeze(-1)).sum(-1).minimum(cand.sum(-1))
+        return pages_within_bytes(page_bytes[..., :P_s], cand, left)
 
     def read_pages(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """(B, Hkv, P) bool: the pages each KV head reads at this step; None when it reads them all.
