@@ -20,6 +20,14 @@ routed queries, layers and query heads that put more than 1e-4 of their attentio
 `oracle` picks, per KV head, the pages with the largest exact share averaged over the group's query
 heads (the best any method can do on image_mass), `random` is the expected share.
 
+Bytes. What a decode step at that row would read, per KV head, as the cache counts it (mm_oval.cache:
+`page_kv_bytes`, each policy's `summary_bytes`): the candidate pages' summaries (none for oracle and
+random), the selected pages' keys and values, and the rest of the tokens up to the row (always read),
+over dense attention's (every token up to the row); `read_vs_dense` per method and page budget. At equal
+bytes (`quality_at_bytes`, `read_vs_dense_at_bytes`) the budget is that share of dense bytes, turned into
+a page count per KV head by the cache's own rule (`pages_within_bytes`): where the summaries and the
+always-read tokens exceed it, no optional page is read.
+
 Cost. The model is wrapped with each retrieval method at read budget 25% and generates; the time spent
 in the policy's `score_pages` + `select` is measured inside the same decode steps as the step time, so
 the share printed is a ratio from one run.
