@@ -20,6 +20,14 @@ routed queries, layers and query heads that put more than 1e-4 of their attentio
 `oracle` picks, per KV head, the pages with the largest exact share averaged over the group's query
 heads (the best any method can do on image_mass), `random` is the expected share.
 
+Bytes. What a decode step at that row would read, per KV head, as the cache counts it (mm_oval.cache:
+`page_kv_bytes`, each policy's `summary_bytes`): the candidate pages' summaries (none for oracle and
+random), the selected pages' keys and values, and the rest of the tokens up to the row (always read),
+over dense attention's (every token up to the row); `read_vs_dense` per method and page budget. At equal
+bytes (`quality_at_bytes`, `read_vs_dense_at_bytes`) the budget is that share of dense bytes, turned into
+a page count per KV head by the cache's own rule (`pages_within_bytes`): where the summaries and the
+always-read tokens exceed it, no optional page is read.
+
 Cost. The model is wrapped with each retrieval method at read budget 25% and generates; the time spent
 in the policy's `score_pages` + `select` is measured inside the same decode steps as the step time, so
 the share printed is a ratio from one run.
@@ -37,7 +45,7 @@ from typing import Any
 import torch
 
 import mm_oval
-from mm_oval.cache import request_info
+from mm_oval.cache import kv_bytes_per_token, page_kv_bytes, pages_within_bytes, request_info
 from mm_oval.config import OvalConfig
 from mm_oval.files import atomic_write_json
 from mm_oval.pages import layout_pages
@@ -54,6 +62,7 @@ from mm_oval.stats import get_stats
 from mm_oval.training.router import zoo_prompts
 
 BUDGETS = (0.10, 0.25, 0.50)
+BYTES_BUDGETS = (0.05, 0.10, 0.25, 0.50)  # fractions of dense attention's bytes per decode step
 MIN_IMAGE_MASS = 1e-4  # a query head with less attention than this on the candidate image pages is left out
 
 
@@ -116,6 +125,11 @@ def quality(
     lm = model.model.language_model
     policies = {name: make_retrieval(kind, **opts) for name, (kind, opts) in methods.items()}
     sums: dict[tuple[str, float, str], float] = {}
+    sums_at_bytes: dict[tuple[str, float, str], float] = {}
+    # bytes read and dense bytes, summed over (row, layer, KV head), per (method, page or bytes budget)
+    read: dict[tuple[str, float], float] = {}
+    read_at_bytes: dict[tuple[str, float], float] = {}
+    dense_sum = 0.0
     count = 0
     # (row, query head) pairs each metric averages over: the denominators
     heads = {"image_mass": 0, "top16_mass": 0, "focused_mass": 0}
@@ -189,6 +203,16 @@ def quality(
                     request=RequestState(inputs_embeds=box["embeds"]),
                 )
                 summaries = {name: pol.summarize(batch) for name, pol in policies.items()}
+                # what a decode step reads, as the cache counts it (mm_oval.cache, stats' bytes_read): the
+                # candidates' summaries, the selected pages' KV, the rest always; oracle and random scan none
+                per_token = kv_bytes_per_token(k)
+                page_kv = page_kv_bytes(page_len, k)[0].double()  # (Hkv, P)
+                cand_kv = (page_kv * cand[0]).sum(-1)  # (Hkv,)
+                scanned = {
+                    name: (pol.summary_bytes(summaries[name], page_len)[0] * cand[0]).sum(-1).double()
+                    for name, pol in policies.items()
+                }
+                scanned["oracle"] = scanned["random"] = torch.zeros(hkv, dtype=torch.double)
                 kk = k.repeat_interleave(group, dim=1)[0]  # (Hq, total, D)
                 for i in rows:
                     logits = (
@@ -225,37 +249,75 @@ def quality(
                         module,
                         StepState(last_hidden=box["hidden"][:, i - 1]),
                     )
-                    picks = {}
+                    dense = float((i + 1) * per_token)  # every token up to this row, per KV head
+                    always = dense - cand_kv
+                    dense_sum += dense * hkv
+
+                    # (Hkv,) per method and bytes budget: the most pages within that share of dense bytes
+                    pages_at = {
+                        (name, f): pages_within_bytes(page_kv, cand[0], f * dense - always - spent)
+                        for name, spent in scanned.items()
+                        for f in BYTES_BUDGETS
+                    }
+
+                    picks, picks_b = {}, {}
                     for name, pol in policies.items():
                         ctx.summaries = summaries[name]
                         picks[name] = {b: pol.select(ctx, b)[0] for b in BUDGETS}  # (Hkv, P) bool
+                        picks_b[name] = {
+                            f: pol.select(ctx, pages_at[(name, f)][None])[0] for f in BYTES_BUDGETS
+                        }
                     # the oracle: the pages with the largest group-mean share of each head's image mass
                     # (the metric below is that mean share, so these pages maximise it)
                     gm = (page_mass / tot.unsqueeze(-1)).view(hkv, group, p).mean(1)
                     ctx.summaries = {}
+                    order = gm.masked_fill(~cand[0], -1.0).argsort(-1, descending=True).argsort(-1)
                     for b in BUDGETS:
                         kb = math.ceil(n_cand * b - 1e-9)
-                        order = gm.masked_fill(~cand[0], -1.0).argsort(-1, descending=True).argsort(-1)
                         picks.setdefault("oracle", {})[b] = (order < kb) & cand[0]
-                    for name, per_b in picks.items():
-                        for b, sel in per_b.items():
-                            sel_q = sel.repeat_interleave(group, 0)  # (Hq, P)
-                            share = (page_mass * sel_q).sum(-1) / tot
-                            read_tok = sel_q.gather(1, tok_page.clamp(min=0).expand(hq, n)) & (tok_page >= 0)
-                            top_share = (top_att * read_tok).sum(-1) / top_att.sum(-1).clamp_min(1e-12)
-                            for metric, val in (
-                                ("image_mass", share),
-                                ("top16_mass", top_share),
-                                ("focused_mass", share),
-                            ):
-                                key = (name, b, metric)
-                                sums[key] = sums.get(key, 0.0) + float(val[rows_of[metric]].sum())
+                    for f in BYTES_BUDGETS:
+                        picks_b.setdefault("oracle", {})[f] = (
+                            order < pages_at[("oracle", f)][:, None]
+                        ) & cand[0]
+                    for target, bytes_read, chosen in (
+                        (sums, read, picks),
+                        (sums_at_bytes, read_at_bytes, picks_b),
+                    ):
+                        for name, per_b in chosen.items():
+                            for b, sel in per_b.items():
+                                sel_q = sel.repeat_interleave(group, 0)  # (Hq, P)
+                                share = (page_mass * sel_q).sum(-1) / tot
+                                read_tok = sel_q.gather(1, tok_page.clamp(min=0).expand(hq, n)) & (
+                                    tok_page >= 0
+                                )
+                                top_share = (top_att * read_tok).sum(-1) / top_att.sum(-1).clamp_min(1e-12)
+                                for metric, val in (
+                                    ("image_mass", share),
+                                    ("top16_mass", top_share),
+                                    ("focused_mass", share),
+                                ):
+                                    key = (name, b, metric)
+                                    target[key] = target.get(key, 0.0) + float(val[rows_of[metric]].sum())
+                                step = scanned[name] + always + (page_kv * sel).sum(-1)
+                                bytes_read[(name, b)] = bytes_read.get((name, b), 0.0) + float(step.sum())
                     for b in BUDGETS:
                         r = math.ceil(n_cand * b - 1e-9) / max(n_cand, 1)
                         for metric, m in rows_of.items():
                             sums[("random", b, metric)] = sums.get(("random", b, metric), 0.0) + r * int(
                                 m.sum()
                             )
+                        step = always + r * cand_kv  # expected
+                        read[("random", b)] = read.get(("random", b), 0.0) + float(step.sum())
+                    for f in BYTES_BUDGETS:
+                        kf = pages_at[("random", f)]  # (Hkv,)
+                        r_q = (kf.double() / max(n_cand, 1)).repeat_interleave(group)  # (Hq,)
+                        for metric, m in rows_of.items():
+                            key = ("random", f, metric)
+                            sums_at_bytes[key] = sums_at_bytes.get(key, 0.0) + float(r_q[m].sum())
+                        step = always + kf.double() / max(n_cand, 1) * cand_kv  # expected
+                        read_at_bytes[("random", f)] = read_at_bytes.get(("random", f), 0.0) + float(
+                            step.sum()
+                        )
                     count += 1
                     for metric, m in rows_of.items():
                         heads[metric] += int(m.sum())
@@ -263,10 +325,19 @@ def quality(
         for h in hooks:
             h.remove()
         model.set_attn_implementation(previous)
-    return {f"{name}|{b}|{metric}": v / max(heads[metric], 1) for (name, b, metric), v in sums.items()} | {
+    q = {f"{name}|{b}|{metric}": v / max(heads[metric], 1) for (name, b, metric), v in sums.items()} | {
         "rows": count,
         "head_rows": heads["image_mass"],
         "focused_rows": heads["focused_mass"],
+    }
+    at_bytes = {
+        f"{name}|{f}|{metric}": v / max(heads[metric], 1) for (name, f, metric), v in sums_at_bytes.items()
+    }
+    ratio = lambda d: {f"{name}|{b}": v / max(dense_sum, 1.0) for (name, b), v in d.items()}  # noqa: E731
+    return q, {
+        "quality_at_bytes": at_bytes,
+        "read_vs_dense": ratio(read),
+        "read_vs_dense_at_bytes": ratio(read_at_bytes),
     }
 
 
@@ -359,7 +430,9 @@ def main() -> int:
     methods = methods_for(args.router, has_router, args.ranks)
     prompts = zoo_prompts(args.prompts, args.seed)
     t0 = time.perf_counter()
-    q = quality(model, processor, prompts, methods, args.new_tokens, args.prompt_queries, args.top_tokens)
+    q, by_bytes = quality(
+        model, processor, prompts, methods, args.new_tokens, args.prompt_queries, args.top_tokens
+    )
     t_quality = time.perf_counter() - t0
     names = ["oracle", *methods, "random"]
     print(
@@ -369,9 +442,36 @@ def main() -> int:
         print(
             f"\n{metric}: share held by the selected image pages (read budget = share of candidate image pages)"
         )
-        print(f"{'method':<22}" + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS))
+        print(
+            f"{'method':<22}"
+            + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS)
+            + "".join(f"{f'read@{int(b * 100)}%':>10}" for b in BUDGETS)
+        )
+        rvd = by_bytes["read_vs_dense"]
         for name in names:
-            print(f"{name:<22}" + "".join(f"{q[f'{name}|{b}|{metric}']:>9.3f}" for b in BUDGETS))
+            print(
+                f"{name:<22}"
+                + "".join(f"{q[f'{name}|{b}|{metric}']:>9.3f}" for b in BUDGETS)
+                + "".join(f"{rvd[f'{name}|{b}']:>9.2f}x" for b in BUDGETS)
+            )
+    at, rvd_b = by_bytes["quality_at_bytes"], by_bytes["read_vs_dense_at_bytes"]
+    for metric in ("image_mass", "top16_mass", "focused_mass"):
+        print(
+            f"\n{metric} at equal bytes: share held by the selected image pages (budget = bytes read per step as "
+            "a share of dense attention's: summaries scanned + selected and always-read KV; read@ is what was "
+            "read, above the budget where the always-read pages alone exceed it)"
+        )
+        print(
+            f"{'method':<22}"
+            + "".join(f"{int(f * 100):>8d}%" for f in BYTES_BUDGETS)
+            + "".join(f"{f'read@{int(f * 100)}%':>10}" for f in BYTES_BUDGETS)
+        )
+        for name in names:
+            print(
+                f"{name:<22}"
+                + "".join(f"{at[f'{name}|{f}|{metric}']:>9.3f}" for f in BYTES_BUDGETS)
+                + "".join(f"{rvd_b[f'{name}|{f}']:>9.2f}x" for f in BYTES_BUDGETS)
+            )
     r = max(args.ranks)  # scoring cost does not depend on eta
     timed = {
         k: v for k, v in methods.items() if k in ("quest", "router", f"locks r={r}", f"oval r={r} eta=0.5")
@@ -386,7 +486,7 @@ def main() -> int:
         d, s = r["decode_ms_per_step"], r["select_ms_per_step"]
         print(f"{name:<22}{d:>16.2f}{d / base:>9.2f}{s:>16.3f}{s / d:>14.1%}")
     if args.out:
-        atomic_write_json(args.out, {"model": where, "args": vars(args), "quality": q, "cost": c})
+        atomic_write_json(args.out, {"model": where, "args": vars(args), "quality": q, "cost": c, **by_bytes})
     return 0
 
 

@@ -236,6 +236,15 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
             "decode_steps": sum(r.get("decode_steps") or 0 for r in rows),
         }
     )
+    # bytes the decode steps read against dense attention (rows of runs saved before they were counted
+    # have none: the figures are then absent rather than wrong)
+    reads = [r["bytes_read"]["total"] for r in rows if isinstance(r.get("bytes_read"), dict)]
+    if reads:
+        read, dense = sum(t["read"] for t in reads), sum(t["dense"] for t in reads)
+        out["read_bytes_budget"] = rows[0].get("read_bytes_budget")
+        out["bytes_read"] = int(read)
+        out["bytes_dense"] = int(dense)
+        out["read_vs_dense"] = read / dense if dense else None
     return out
 
 

@@ -103,6 +103,7 @@ def run_sweep(
                     "budget": b,
                     "primary": r["primary"],
                     "kv_fraction_kept": r["kv"].get("kv_fraction_kept"),
+                    "read_vs_dense": r["kv"].get("read_vs_dense"),
                     "dir": cell_dir_name(m, b),
                 }
             )
@@ -171,7 +172,8 @@ def _write_summary(
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
-    """Rows: methods; columns: budgets; cells: the primary metric (and the KV fraction kept, when known)."""
+    """Rows: methods; columns: budgets; cells: the primary metric (and the KV fraction kept, when known;
+    for retrieval rows also the measured bytes read per step over dense attention's, when known)."""
     budgets = summary["budgets"]
     lines = [
         f"{summary['task']}: {summary['primary_metric']} by KV budget (cells: score, KV bytes kept)",
@@ -192,7 +194,11 @@ def markdown_table(summary: dict[str, Any]) -> str:
                 continue
             kept = c.get("kv_fraction_kept")
             score = "n/a" if c["primary"] is None else f"{c['primary']:.2f}"
-            row.append(score + (f" ({100 * kept:.0f}%)" if kept is not None else ""))
+            cell = score + (f" ({100 * kept:.0f}%)" if kept is not None else "")
+            read_x = c.get("read_vs_dense")
+            if read_x is not None and budget_field(m) != "budget":
+                cell += f" read {read_x:.2f}x"
+            row.append(cell)
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     read = [m for m in summary["methods"] if budget_field(m) == "read_budget"]
     if read:
@@ -201,6 +207,19 @@ def markdown_table(summary: dict[str, Any]) -> str:
             f"For {', '.join(read)} (retrieval) the budget is `read_budget`, the share of image pages each decode "
             "step reads, and the whole cache stays resident; for every other method it is `budget`, the share "
             "of the image KV kept.",
+        ]
+    by_bytes = [m for m in summary["methods"] if budget_field(m) == "read_bytes_budget"]
+    if by_bytes:
+        lines += [
+            "",
+            f"For {', '.join(by_bytes)} (retrieval) the budget is `read_bytes_budget`, the bytes each decode "
+            "step reads as a share of dense attention's, and the whole cache stays resident.",
+        ]
+    if any(c.get("read_vs_dense") is not None and budget_field(c["method"]) != "budget" for c in summary["cells"]):
+        lines += [
+            "",
+            "`read Nx`: the bytes the retrieval decode steps read (page summaries scanned + keys and values of "
+            "the selected and always-read pages) over dense attention's over the resident cache, measured.",
         ]
     r = summary.get("rules")
     if r:

@@ -72,6 +72,28 @@ def take_pending(layer_idx: int | None) -> PagedLayer | None:
     return layer
 
 
+# what a decode step reads, the rows of `PagedLayer._read_t` (see mm_oval.stats, `bytes_read`)
+READ_KINDS = ("summaries", "selected", "always_read", "dense")
+
+
+def kv_bytes_per_token(keys: torch.Tensor) -> int:
+    """Bytes of one token's key and value in one KV head, for storage like `keys` (..., D)."""
+    return 2 * keys.shape[-1] * keys.element_size()
+
+
+def page_kv_bytes(page_len: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, P) long: the key and value bytes of each page's tokens in its KV head: the bytes of a page
+    that the stats' `bytes_read`, a bytes budget and bench_retrieval count."""
+    return page_len.long() * kv_bytes_per_token(keys)
+
+
+def pages_within_bytes(page_bytes: torch.Tensor, cand: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+    """(..., P) page bytes, (..., P) bool candidates, (...) bytes left for optional pages -> (...) long: the
+    most candidate pages that fit `left` whichever are picked (the count of the largest ones that fit)."""
+    sizes = torch.where(cand, page_bytes, 0).sort(-1, descending=True).values.cumsum(-1)
+    return (sizes <= left.unsqueeze(-1)).sum(-1).minimum(cand.sum(-1))
+
+
 @dataclass
 class RequestInfo:
     """What the cache knows about each prompt token of the request (B samples, N tokens)."""
@@ -222,7 +244,7 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self._k = self._v = None
-        self._stats_t = None
+        self._stats_t = self._read_t = None
         self.phase = "empty"
         self.logical_len = 0
         self.is_initialized = False
@@ -318,6 +340,10 @@ class PagedLayer(CacheLayerMixin):
             self._summarize(0, self.prompt_pages)
         self.phase = "decode"
         self._record_prefill_stats(valid, info)
+        self._p_image = self._p_mod == IMAGE  # image slots (all in the prompt part)
+        # bytes read at decode, summed over steps: rows summaries, selected, always_read, dense; columns
+        # image, text (a tensor: no device sync per step; `stats` reads it)
+        self._read_t = torch.zeros(len(READ_KINDS), 2, dtype=torch.long, device=keys.device)
 
     # ---- storage -------------------------------------------------------------------------------------
     def _room(self, used: int) -> int:
@@ -468,10 +494,48 @@ class PagedLayer(CacheLayerMixin):
         if self.owner.retrieval is not None and closed_now > closed_before:
             self._summarize(self.prompt_pages + closed_before, self.prompt_pages + closed_now)
 
+    def _by_modality(self, slots: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, L) bool slots -> (2,) long: how many are image slots, how many text."""
+        image = (slots[..., : self.prompt_slots] & self._p_image).sum()
+        return torch.stack([image, slots.sum() - image])
+
+    def _count_read(self, always: torch.Tensor | None, chosen: torch.Tensor | None, summary: torch.Tensor) -> None:
+        """Adds one decode step's bytes read to `_read_t`: `always` / `chosen` (B, Hkv, P) bool pages read
+        whatever the selection / selected by the retrieval policy (None, None: every slot is read),
+        `summary` (2,) the summary bytes scanned, image and text."""
+        per_token = kv_bytes_per_token(self.keys)
+        valid = self.slot_valid
+        dense = self._by_modality(valid)
+        if always is None:
+            read_always, selected = dense, torch.zeros_like(dense)
+        else:
+            page = self.slot_page.clamp(min=0)
+            read_always = self._by_modality(valid & always.gather(-1, page))
+            selected = self._by_modality(valid & chosen.gather(-1, page))
+        self._read_t += torch.stack([summary, selected * per_token, read_always * per_token, dense * per_token])
+
+    def _pages_within_bytes(
+        self, cand: torch.Tensor, always: torch.Tensor, summary: torch.Tensor, fraction: float
+    ) -> torch.Tensor:
+        """(B, Hkv) long: per KV head, the most candidate pages whose KV bytes, with the summaries scanned
+        (`summary`, (B, Hkv)) and the always-read pages' (`always`, (B, Hkv, P) bool), fit `fraction` of
+        the dense bytes (every resident slot). Whichever pages the policy picks fit: the count is that of
+        the largest candidate pages that fit. A head whose summaries and always-read pages alone exceed the
+        budget reads no optional page (counted in `counters["read_over_budget"]`)."""
+        per_token = kv_bytes_per_token(self.keys)
+        P_s = cand.shape[-1]
+        page_bytes = page_kv_bytes(self.page_len, self.keys)
+        dense = self.slot_valid.sum(-1) * per_token
+        left = fraction * dense - summary - (page_bytes * always).sum(-1)
+        self.owner.counters["read_over_budget"] += (left < 0).sum()
+        return pages_within_bytes(page_bytes[..., :P_s], cand, left)
+
     def read_pages(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
-        """(B, Hkv, P) bool: the pages each KV head reads at this step; None when it reads them all."""
+        """(B, Hkv, P) bool: the pages each KV head reads at this step; None when it reads them all.
+        Counts the step's bytes read (`_count_read`)."""
         owner = self.owner
         if owner.retrieval is None or not self.summaries:
+            self._count_read(None, None, self._read_t.new_zeros(2))
             return None
         P_s = next(iter(self.summaries.values())).shape[2]  # pages with a summary (closed pages)
         kind = self.page_kind[..., :P_s]
@@ -491,12 +555,21 @@ class PagedLayer(CacheLayerMixin):
             module=self.module,
             step=owner.step,
         )
-        chosen = owner.retrieval.select(ctx, owner.config.read_budget) & cand
-        owner.counters["candidate_pages"] += cand.sum()
-        owner.counters["pages_read"] += chosen.sum()
+        summary = torch.where(cand, owner.retrieval.summary_bytes(self.summaries, plen), 0)  # scanned
         B, H, P = self.page_len.shape
         rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
-        return torch.cat([chosen | ~cand, rest], -1) & (self.page_len > 0)
+        always = torch.cat([~cand, rest], -1) & (self.page_len > 0)
+        budget: float | torch.Tensor = owner.config.read_budget
+        if owner.config.read_bytes_budget is not None:
+            budget = self._pages_within_bytes(cand, always, summary.sum(-1), owner.config.read_bytes_budget)
+        chosen = owner.retrieval.select(ctx, budget) & cand
+        owner.counters["candidate_pages"] += cand.sum()
+        owner.counters["pages_read"] += chosen.sum()
+        image = kind == IMAGE
+        scanned = torch.stack([(summary * image).sum(), (summary * ~image).sum()])
+        chosen = torch.cat([chosen, torch.zeros_like(rest)], -1)
+        self._count_read(always, chosen, scanned)
+        return chosen | always
 
     def read_mask(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """(B, Hkv, Q, L) bool: the slots each KV head reads for the Q newest tokens (None: all of them,
@@ -578,7 +651,9 @@ class PagedMultimodalCache(Cache):
         self.step = StepState()  # the forward now running (prefill or a decode step)
         self.geometry: Geometry | None = None  # the request's image geometry, when prepared with one
         self.rope: Rope | None = None  # the text model's RoPE, set by the wrapped model before prefill
-        self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0}  # tensors once counted
+        # tensors once counted; read_over_budget: (KV head, step, layer) triples whose summaries and
+        # always-read pages alone exceed the bytes budget (they read no optional page)
+        self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0, "read_over_budget": 0}
         self.kernels: bool | None = None  # decode through mm_oval.kernels; None = on CUDA only
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
 

@@ -3,8 +3,8 @@
 Two kinds of knobs, kept apart:
 - what is kept after prefill (eviction): `method`, `budget` (image tokens), `text_budget`,
   `eviction_scope` (image and text ranked separately, or together), `head_budget`;
-- what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages),
-  `read_scope` (which pages are candidates).
+- what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages)
+  or `read_bytes_budget` (the fraction of dense attention's bytes), `read_scope` (which pages are candidates).
 A knob of one kind that the configuration cannot use is refused (a budget with method "full" keeps
 everything; a read budget without a retrieval method reads everything), never silently ignored.
 `scope` and `retrieval_scope`, the former names of the two scopes, are refused with the new names.
@@ -63,6 +63,9 @@ class OvalConfig:
     retrieval: str | None = None
     retrieval_options: dict[str, Any] = field(default_factory=dict)
     read_budget: float = 1.0  # fraction of candidate pages read per decode step
+    # instead of read_budget: the bytes read per decode step and KV head (summaries scanned, selected and
+    # always-read pages' keys and values) as a fraction of dense attention's over the resident cache
+    read_bytes_budget: float | None = None
     read_scope: str = "image"  # candidate pages: "image" pages only (text pages always read), or "all"
     image_tile: int = 2
     text_page_size: int = 16
@@ -100,6 +103,21 @@ class OvalConfig:
             or not (0.0 < float(self.read_budget) <= 1.0)
         ):
             raise ConfigError(f"read_budget={self.read_budget!r} must be a fraction in (0, 1]")
+        if self.read_bytes_budget is not None:
+            if (
+                isinstance(self.read_bytes_budget, bool)
+                or not isinstance(self.read_bytes_budget, (int, float))
+                or not (0.0 < float(self.read_bytes_budget) <= 1.0)
+            ):
+                raise ConfigError(
+                    f"read_bytes_budget={self.read_bytes_budget!r} must be a fraction of dense bytes in (0, 1]"
+                )
+            if self.read_budget != 1.0:
+                raise ConfigError(
+                    f"read_budget={self.read_budget!r} and read_bytes_budget={self.read_bytes_budget!r} are both "
+                    "set: a decode step's reads are bounded by pages or by bytes, give one of them"
+                )
+            self.read_bytes_budget = float(self.read_bytes_budget)
         if not isinstance(self.method_options, dict) or not isinstance(self.retrieval_options, dict):
             raise ConfigError("method_options and retrieval_options must be dicts")
         self._check_methods()
@@ -149,7 +167,7 @@ class OvalConfig:
         if self.retrieval is None:
             unused = {
                 k: getattr(self, k)
-                for k, default in (("read_budget", 1.0), ("read_scope", "image"))
+                for k, default in (("read_budget", 1.0), ("read_bytes_budget", None), ("read_scope", "image"))
                 if getattr(self, k) != default
             }
             if self.retrieval_options:
@@ -192,14 +210,19 @@ class OvalConfig:
           `budget` is the fraction of candidate pages read per decode step: it sets `read_budget` (a
           fraction in (0, 1]). Such a spec takes no `budget=` key (that is the eviction budget, which a
           retrieval method does not have: write `read_budget=`), and a `read_budget=` key together with
-          the `budget` argument is refused (the read budget would be given twice)."""
+          the `budget` argument is refused (the read budget would be given twice); with the bare key
+          `read_bytes_budget` ("oval:read_bytes_budget") the argument sets `read_bytes_budget` instead."""
         if not isinstance(spec, str) or not spec.strip():
             raise ConfigError(f"empty method spec {spec!r}; write 'name' or 'name:key=value,...'")
         name, _, rest = spec.strip().partition(":")
         fields: dict[str, Any] = {}
         options: dict[str, Any] = {}
         names = set(field_names())
+        bytes_axis = False  # the bare key `read_bytes_budget`: the budget argument is a bytes budget
         for item in filter(None, (p.strip() for p in rest.split(","))):
+            if item == "read_bytes_budget":
+                bytes_axis = True
+                continue
             key, eq, raw = item.partition("=")
             if not eq or not key.strip():
                 raise ConfigError(f"bad item {item!r} in method spec {spec!r}; write key=value")
@@ -213,7 +236,14 @@ class OvalConfig:
                 raise ConfigError(f"{key!r} is given twice in method spec {spec!r}; give each key once")
             (fields if key in names else options)[key] = _parse_value(raw.strip())
         name = name.strip()
-        if budget_field(name) == "read_budget":
+        retrieval_alone = budget_field(name) == "read_budget"
+        if bytes_axis and (budget is None or not retrieval_alone or "read_bytes_budget" in fields):
+            raise ConfigError(
+                f"method spec {spec!r}: the bare key read_bytes_budget makes the budget argument (a sweep's "
+                "--budgets) a bytes budget of a retrieval method named alone (e.g. 'oval:read_bytes_budget' "
+                "with budget 0.25); otherwise give it a value: read_bytes_budget=0.25"
+            )
+        if retrieval_alone:
             # a retrieval method named alone: keep the whole cache resident, read part of it per step
             if "budget" in fields or "text_budget" in fields:
                 raise ConfigError(
@@ -236,7 +266,7 @@ class OvalConfig:
                     raise ConfigError(
                         f"retrieval method {spec!r} takes a read budget in (0, 1], got {budget!r}"
                     )
-                fields["read_budget"] = float(budget)
+                fields["read_bytes_budget" if bytes_axis else "read_budget"] = float(budget)
                 budget = None
         if budget is not None:
             fields["budget"] = budget
@@ -262,9 +292,14 @@ def _refuse_renamed(given: dict[str, Any]) -> None:
 
 def budget_field(method: str) -> str:
     """The OvalConfig field a spec's budget axis sets (`from_spec(spec, budget)`, a sweep's `--budgets`):
-    "read_budget" for a retrieval method named alone (e.g. "oval"), "budget" otherwise."""
-    name = method.strip().partition(":")[0].strip() if isinstance(method, str) else method
-    return "read_budget" if isinstance(name, str) and is_retrieval_only(name) else "budget"
+    "read_budget" for a retrieval method named alone (e.g. "oval"), "read_bytes_budget" for one whose spec
+    holds the bare key `read_bytes_budget` (e.g. "oval:read_bytes_budget"), "budget" otherwise."""
+    name, _, rest = method.strip().partition(":") if isinstance(method, str) else (method, "", "")
+    name = name.strip() if isinstance(name, str) else name
+    if not (isinstance(name, str) and is_retrieval_only(name)):
+        return "budget"
+    bare = {p.strip() for p in rest.split(",")}
+    return "read_bytes_budget" if "read_bytes_budget" in bare else "read_budget"
 
 
 def field_names() -> list[str]:

@@ -15,6 +15,22 @@ Two kinds of memory figures, side by side:
   policies' own tensors such as learned weights and cached tables); `allocated_vs_plain` divides the total by `plain_cache_bytes`,
   what a plain Hugging Face `DynamicCache` holds for the same request (keys and values of every prompt
   position, padding included, and of every token fed after it).
+
+What the decode steps read (`bytes_read`), summed over layers, KV heads and the batch, in the cache's
+dtypes, real tokens only (never padding):
+- `total`: `summaries` (the page summaries the retrieval policy scanned: those of the candidate pages, as
+  its `summary_bytes` counts them: Quest's min/max keys, LOCKS/OVAL's centroid, basis and the coefficients
+  of the page's tokens, the router's page embeddings and cross-attention keys/values), `selected` (keys
+  and values of the tokens of the pages the policy selected), `always_read` (keys and values read whatever
+  the selection: the open page, pinned sink/recent pages, text pages when `read_scope` is "image"; every
+  slot without retrieval), `read` (the sum of the three) and `dense` (keys and values of every resident
+  slot: what full attention over the kept cache reads); the same under `image` and `text`, by the
+  modality of the pages (summaries) or tokens;
+- `per_step`: `total` divided by `decode_steps` (the decode forwards; a later turn fed at once is one);
+- `read_vs_dense` = read / dense (1.0 without retrieval; above 1 when the summaries cost more than the
+  keys they spare), `image_read_vs_dense`, `text_read_vs_dense` per modality;
+- `over_budget`: with `read_bytes_budget`, the (layer, KV head, step) reads whose summaries and
+  always-read pages alone exceeded the budget (they read no optional page), else 0.
 """
 
 from __future__ import annotations
@@ -168,7 +184,42 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     }
     cand = int(cache.counters["candidate_pages"])
     out["page_read_fraction"] = (int(cache.counters["pages_read"]) / cand) if cand else None
+    out["read_bytes_budget"] = cache.config.read_bytes_budget
+    out["bytes_read"] = bytes_read(cache)
     return out
+
+
+def bytes_read(cache: Any) -> dict[str, Any]:
+    """The bytes the decode steps read, summed over layers (see the module docstring, `bytes_read`)."""
+    rows = [t for t in (getattr(layer, "_read_t", None) for layer in cache.layers) if t is not None]
+    kinds = ("summaries", "selected", "always_read", "dense")
+    t = torch.stack(rows).sum(0).tolist() if rows else [[0, 0] for _ in kinds]
+    steps = int(cache.timings["decode_steps"])
+
+    def block(image: list[int], text: list[int]) -> dict[str, Any]:
+        tot = {k: int(i + x) for k, i, x in zip(kinds, image, text)}
+        b: dict[str, Any] = dict(tot)
+        b["image"] = {k: int(v) for k, v in zip(kinds, image)}
+        b["text"] = {k: int(v) for k, v in zip(kinds, text)}
+        for d in (b, b["image"], b["text"]):
+            d["read"] = d["summaries"] + d["selected"] + d["always_read"]
+        return b
+
+    total = block([row[0] for row in t], [row[1] for row in t])
+
+    def mean(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: mean(v) if isinstance(v, dict) else (v / steps if steps else None) for k, v in d.items()}
+
+    ratio = lambda d: (d["read"] / d["dense"]) if d["dense"] else None  # noqa: E731
+    return {
+        "decode_steps": steps,
+        "total": total,
+        "per_step": mean(total),
+        "read_vs_dense": ratio(total),
+        "image_read_vs_dense": ratio(total["image"]),
+        "text_read_vs_dense": ratio(total["text"]),
+        "over_budget": int(cache.counters.get("read_over_budget", 0)),
+    }
 
 
 def get_stats(model: Any) -> dict[str, Any]:

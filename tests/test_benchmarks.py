@@ -34,3 +34,16 @@ def test_bench_wrap_writes_time_and_memory_for_each_configuration(tmp_path):
     d = _run("bench_wrap", "--repeats", "1", "--new-tokens", "2", "--batch", "1",
              "--methods", "full", "snapkv:budget=0.25", "full:retrieval=quest", tmp_path=tmp_path)  # fmt: skip
     assert len(d["rows"]) >= 3
+
+
+def test_bench_retrieval_writes_the_bytes_each_method_reads_and_its_quality_at_equal_bytes(tmp_path):
+    d = _run("bench_retrieval", "--prompts", "1", "--ranks", "1", "--cost-prompts", "1", "--cost-tokens", "2",
+             "--repeats", "1", tmp_path=tmp_path)  # fmt: skip
+    rvd, at, rvd_b = d["read_vs_dense"], d["quality_at_bytes"], d["read_vs_dense_at_bytes"]
+    methods = {k.split("|")[0] for k in d["quality"] if "|" in k}
+    assert {k.split("|")[0] for k in rvd} == {k.split("|")[0] for k in at} == methods
+    for m in methods:  # more pages read, more bytes; every budget reads at least what is always read
+        assert 0 < rvd[f"{m}|0.1"] <= rvd[f"{m}|0.25"] <= rvd[f"{m}|0.5"]
+        assert all(v > 0 for k, v in rvd_b.items() if k.startswith(f"{m}|"))
+    assert rvd["quest|0.25"] > rvd["oracle|0.25"]  # the same pages' count, plus the summaries scanned
+    assert all(0.0 <= v <= 1.0 + 1e-6 for v in at.values())

@@ -16,6 +16,7 @@ captures only what the configured policies declare.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -118,10 +119,26 @@ class RetrievalPolicy:
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:  # (B, Hkv, P) float
         raise NotImplementedError
 
-    def select(self, ctx: DecodeContext, read_budget: float) -> torch.Tensor:
-        """-> (B, Hkv, P) bool, the candidate pages read at this step."""
-        k = budget_count(float(read_budget), ctx.candidates.sum(-1))  # (B, Hkv)
+    def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor) -> torch.Tensor:
+        """-> (B, Hkv, P) bool, the candidate pages read at this step. `read_budget` is a fraction of the
+        candidates, or a (B, Hkv) long tensor of page counts (what the cache makes of a bytes budget)."""
+        n = ctx.candidates.sum(-1)
+        if isinstance(read_budget, torch.Tensor):
+            k = read_budget.clamp(min=0).minimum(n)
+        else:
+            k = budget_count(float(read_budget), n)  # (B, Hkv)
         return topk_mask(self.score_pages(ctx), ctx.candidates, k)
+
+    def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, P) long: the bytes of each page's summary that scoring it reads, per KV head (the
+        stats' `bytes_read["summaries"]` and a bytes budget count them). `summaries` is the cache's dict
+        of (B, Hkv, P, ...) tensors, `page_len` (B, Hkv, P) the pages' token counts. Default: every
+        summary tensor's entries of the page, in its dtype; a policy whose scoring reads less (or more)
+        overrides it."""
+        per_page = 0
+        for t in summaries.values():
+            per_page += math.prod(t.shape[3:]) * t.element_size()
+        return torch.full_like(page_len, per_page, dtype=torch.long)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors the policy itself holds (e.g. a router's weights, cached per-layer matrices), counted

@@ -62,6 +62,13 @@ class _BasisRetrieval(RetrievalPolicy):
         coef = torch.nn.functional.pad(s.coeffs, (0, 0, 0, self.max_page_tokens - t))
         return {"mu": s.centroid, "basis": s.basis, "coef": coef}
 
+    def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
+        """Per page: the centroid (D) and basis (D r) and the coefficients of its real tokens (T r), in the
+        summaries' dtype; the coefficient rows padding a page to max_page_tokens are not read."""
+        basis = summaries["basis"]
+        d, r = basis.shape[-2:]
+        return (d + d * r + page_len.long() * r) * basis.element_size()
+
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         sm = ctx.summaries
         rows = [

@@ -1,0 +1,245 @@
+"""What `get_stats(model)["bytes_read"]` says a decode step reads (summaries scanned, selected pages' KV,
+always-read KV, against dense attention over the resident cache), checked against a count made from
+the pages each selection saw; and the bytes budget that turns a fraction of dense bytes into pages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from mm_oval.eval.runner import summarize_kv
+from mm_oval.eval.sweep import markdown_table
+
+import mm_oval
+from mm_oval.config import OvalConfig, budget_field
+from mm_oval.errors import ConfigError
+from mm_oval.policies.base import IMAGE
+from mm_oval.stats import get_stats
+from mm_oval.wrapper import new_cache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 4  # the prefill gives the first token: NEW_TOKENS - 1 decode steps
+TEXTS = ["USER: <image>\nwhat color is the circle ? ASSISTANT:", "USER: <image>\nhow many ? ASSISTANT:"]
+
+
+@pytest.fixture
+def model(tiny_random_llava):
+    model, _ = tiny_random_llava
+    yield model
+    mm_oval.unwrap(model)
+
+
+def _run(model, inputs, **cfg):
+    """Generate through the wrapped model; every selection the retrieval policy makes is logged."""
+    mm_oval.wrap(model, **cfg)
+    log = []
+    policy = model._mm_oval.retrieval
+    if policy is not None:
+        select = policy.select
+
+        def logged(ctx, budget):
+            chosen = select(ctx, budget)
+            log.append(
+                {
+                    "cand": ctx.candidates,
+                    "chosen": chosen & ctx.candidates,
+                    "plen": ctx.page_len,
+                    "kind": ctx.page_kind,
+                    "budget": budget,
+                    "summaries": ctx.summaries,
+                }
+            )
+            return chosen
+
+        policy.select = logged
+    cache = new_cache(model)
+    model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, cache=cache)
+    return cache, log, get_stats(model)["bytes_read"]
+
+
+def _dense(model, inputs, per_token):
+    """Dense bytes of every decode step: all prompt tokens (nothing evicted) and the tokens fed so far."""
+    t = model.config.text_config
+    n_valid = inputs["attention_mask"].sum(-1)
+    n_image = int((inputs["input_ids"] == model.config.image_token_index).sum())
+    steps = range(1, NEW_TOKENS)
+    per_layer = t.num_key_value_heads * per_token
+    total = t.num_hidden_layers * per_layer * sum(int((n_valid + i).sum()) for i in steps)
+    image = t.num_hidden_layers * per_layer * n_image * len(steps)
+    return total, image
+
+
+def _summary_bytes(name, plen, summaries):
+    """Bytes of each page's summary that scoring reads: Quest two fp32 keys per page; OVAL the
+    centroid, the rank-r basis and r coefficients per token of the page, in the summaries' dtype."""
+    if name == "quest":
+        d = summaries["kmin"].shape[-1]
+        return torch.full_like(plen, 2 * d * 4)
+    d, r = summaries["basis"].shape[-2:]
+    return (d + d * r + plen * r) * summaries["basis"].element_size()
+
+
+def _expected(name, log, per_token, dense, dense_image):
+    summ = sel = cand_kv = summ_image = 0
+    for e in log:
+        cand, plen = e["cand"], e["plen"]
+        sb = _summary_bytes(name, plen, e["summaries"])
+        summ += int(sb[cand].sum())
+        summ_image += int(sb[cand & (e["kind"] == IMAGE)].sum())
+        sel += int(plen[e["chosen"]].sum()) * per_token
+        cand_kv += int(plen[cand].sum()) * per_token
+    return {
+        "summaries": summ,
+        "selected": sel,
+        "always_read": dense - cand_kv,
+        "dense": dense,
+        "image_summaries": summ_image,
+    }
+
+
+@pytest.mark.parametrize("name", ["quest", "oval"])
+def test_bytes_read_are_the_summaries_scanned_the_pages_selected_and_the_pages_always_read(
+    model, llava_batch, name
+):
+    inputs = llava_batch(TEXTS)
+    cache, log, br = _run(model, inputs, retrieval=name, read_budget=0.25)
+    per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
+    dense, dense_image = _dense(model, inputs, per_token)
+    exp = _expected(name, log, per_token, dense, dense_image)
+    total = br["total"]
+    assert br["decode_steps"] == NEW_TOKENS - 1
+    assert len(log) == (NEW_TOKENS - 1) * model.config.text_config.num_hidden_layers
+    for k in ("summaries", "selected", "always_read", "dense"):
+        assert total[k] == exp[k], k
+    assert total["read"] == exp["summaries"] + exp["selected"] + exp["always_read"]
+    assert br["read_vs_dense"] == pytest.approx(total["read"] / dense)
+    assert 0 < total["selected"] < total["image"]["dense"]  # a quarter of the image pages, not all
+    # by modality: every candidate is an image page (read_scope "image"); text is always read
+    assert total["image"]["dense"] == dense_image and total["text"]["dense"] == dense - dense_image
+    assert total["image"]["summaries"] == exp["image_summaries"] == total["summaries"]
+    assert total["text"]["selected"] == 0 and total["text"]["always_read"] == dense - dense_image
+    per_step = br["per_step"]
+    assert per_step["read"] == pytest.approx(total["read"] / (NEW_TOKENS - 1))
+    assert per_step["image"]["dense"] == pytest.approx(dense_image / (NEW_TOKENS - 1))
+    json.dumps(br)
+
+
+def test_full_attention_reads_exactly_dense(model, llava_batch):
+    inputs = llava_batch(TEXTS)
+    cache, _, br = _run(model, inputs)
+    per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
+    dense, dense_image = _dense(model, inputs, per_token)
+    total = br["total"]
+    assert total["dense"] == total["read"] == total["always_read"] == dense
+    assert total["summaries"] == total["selected"] == 0
+    assert br["read_vs_dense"] == br["image_read_vs_dense"] == 1.0
+    assert total["image"]["dense"] == dense_image
+
+
+def test_a_read_budget_of_one_reads_dense_plus_the_summaries(model, llava_batch):
+    """OVAL's rank-8 summaries of 2x2 tiles outweigh the keys they stand for: it reads more than dense."""
+    inputs = llava_batch(TEXTS)
+    _, _, br = _run(model, inputs, retrieval="oval", read_budget=1.0)
+    total = br["total"]
+    assert total["selected"] + total["always_read"] == total["dense"]
+    assert total["read"] == total["dense"] + total["summaries"]
+    assert br["read_vs_dense"] > 1.0
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.9])
+def test_a_bytes_budget_reads_the_most_pages_that_fit_whichever_are_picked(model, llava_batch, fraction):
+    inputs = llava_batch(TEXTS)
+    cache, log, br = _run(model, inputs, retrieval="quest", read_bytes_budget=fraction)
+    per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
+    n_valid = inputs["attention_mask"].sum(-1)
+    H = model.config.text_config.num_key_value_heads
+    n_layers = model.config.text_config.num_hidden_layers
+    some_read = False
+    for i, e in enumerate(log):
+        step = i // n_layers + 1
+        cand, plen, chosen = e["cand"], e["plen"], e["chosen"]
+        sb = _summary_bytes("quest", plen, e["summaries"])
+        for b in range(cand.shape[0]):
+            dense = int(n_valid[b] + step) * per_token
+            for h in range(H):
+                c = cand[b, h]
+                kv = plen[b, h] * per_token
+                always = dense - int(kv[c].sum())
+                left = fraction * dense - always - int(sb[b, h][c].sum())
+                sizes = sorted((int(x) for x in kv[c]), reverse=True)
+                k = 0
+                while k < len(sizes) and sum(sizes[: k + 1]) <= left:
+                    k += 1
+                assert int(e["budget"][b, h]) == k
+                assert int(chosen[b, h].sum()) == k
+                read = always + int(sb[b, h][c].sum()) + int(kv[chosen[b, h]].sum())
+                assert read <= fraction * dense
+                some_read |= k > 0
+    assert some_read and br["over_budget"] == 0
+    assert br["read_vs_dense"] <= fraction
+
+
+def test_a_bytes_budget_below_the_always_read_pages_reads_no_optional_page_and_says_so(model, llava_batch):
+    inputs = llava_batch(TEXTS)
+    _, _, br = _run(model, inputs, retrieval="quest", read_bytes_budget=0.05)
+    t = model.config.text_config
+    assert br["total"]["selected"] == 0
+    assert br["over_budget"] == (NEW_TOKENS - 1) * t.num_hidden_layers * 2 * t.num_key_value_heads
+    assert br["read_vs_dense"] > 0.05  # what is always read cannot be skipped
+
+
+def test_a_larger_bytes_budget_reads_more(model, llava_batch):
+    inputs = llava_batch(TEXTS)
+    low = _run(model, inputs, retrieval="quest", read_bytes_budget=0.7)[2]["total"]["selected"]
+    high = _run(model, inputs, retrieval="quest", read_bytes_budget=1.0)[2]["total"]["selected"]
+    assert 0 < low < high
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"retrieval": "oval", "read_bytes_budget": 0.0}, "read_bytes_budget=0.0 must be a fraction"),
+        ({"retrieval": "oval", "read_bytes_budget": 1.5}, "read_bytes_budget=1.5 must be a fraction"),
+        ({"retrieval": "oval", "read_bytes_budget": True}, "read_bytes_budget=True"),
+        ({"retrieval": "oval", "read_budget": 0.5, "read_bytes_budget": 0.5}, "give one of them"),
+        ({"read_bytes_budget": 0.5}, "without a retrieval method"),
+    ],
+)
+def test_a_bytes_budget_is_checked_with_a_message(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        OvalConfig(**kw)
+
+
+def test_a_spec_sets_the_bytes_budget():
+    cfg = OvalConfig.from_spec("oval:read_bytes_budget=0.25")
+    assert cfg.retrieval == "oval" and cfg.read_bytes_budget == 0.25 and cfg.read_budget == 1.0
+
+
+def test_a_sweeps_budget_axis_is_a_bytes_budget_for_a_spec_with_the_bare_key():
+    assert budget_field("oval:read_bytes_budget") == "read_bytes_budget"
+    assert budget_field("oval:rank=4") == "read_budget" and budget_field("snapkv") == "budget"
+    cfg = OvalConfig.from_spec("oval:read_bytes_budget,rank=4", 0.1)
+    assert cfg.read_bytes_budget == 0.1 and cfg.read_budget == 1.0 and cfg.retrieval_options == {"rank": 4}
+    for spec, budget in (("oval:read_bytes_budget", None), ("snapkv:read_bytes_budget", 0.25)):
+        with pytest.raises(ConfigError, match="bare key read_bytes_budget"):
+            OvalConfig.from_spec(spec, budget)
+
+
+def test_the_run_summary_and_the_sweep_table_give_the_bytes_read_of_retrieval_rows():
+    rows = [{"kv_bytes_full": 10, "kv_bytes_kept": 10, "bytes_read": {"total": {"read": r, "dense": 100}}}
+            for r in (50, 150)]  # fmt: skip
+    kv = summarize_kv(rows)
+    assert kv["bytes_read"] == 200 and kv["bytes_dense"] == 200 and kv["read_vs_dense"] == 1.0
+    assert "read_vs_dense" not in summarize_kv([{"kv_bytes_full": 10, "kv_bytes_kept": 10}])
+    methods = ["snapkv", "oval", "quest:read_bytes_budget"]
+    cells = [{"method": m, "budget": 0.25, "primary": 90.0, "kv_fraction_kept": k, "read_vs_dense": x}
+             for m, k, x in zip(methods, (0.25, 1.0, 1.0), (1.0, 1.714, 0.25))]  # fmt: skip
+    summary = {"task": "vqav2", "primary_metric": "overall", "budgets": [0.25], "full_ran": False,
+               "methods": methods, "cells": cells}  # fmt: skip
+    table = markdown_table(summary)
+    assert "| snapkv | 90.00 (25%) |" in table  # eviction rows as before
+    assert "| oval | 90.00 (100%) read 1.71x |" in table
+    assert "| quest:read_bytes_budget | 90.00 (100%) read 0.25x |" in table
+    assert "the budget is `read_bytes_budget`" in table
