@@ -1,6 +1,6 @@
 """Runtime figures of a wrapped model: tokens and KV bytes kept per layer and modality, the bytes the
 cache and the method hold (by kind), pages read, prefill and decode time. `get_stats(model)` describes
-the last `generate` (or forward) call.
+the last `generate` (or forward) call; `to_prometheus(stats)` writes them in the Prometheus text format.
 
 Two kinds of memory figures, side by side:
 - kept (`kv_bytes_kept`, `kv_fraction_kept`, ...): keys and values of the prompt tokens the method kept,
@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
 from transformers import PreTrainedModel
 
 from .errors import ConfigError
@@ -230,3 +231,70 @@ def get_stats(model: Any) -> dict[str, Any]:
     if state.last_stats is None:
         raise ConfigError("no request has run through the wrapped model yet: call model.generate(...) first")
     return state.last_stats
+
+
+# ---- Prometheus text format -------------------------------------------------------------------------------
+_CONFIG_KEYS = ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget", "read_scope",
+                "read_bytes_budget")  # fmt: skip
+_BYTES_PARTS = ("summaries", "selected", "always_read", "read", "dense")
+
+
+def to_prometheus(stats: dict[str, Any], labels: dict[str, str] | None = None, prefix: str = "mm_oval") -> str:
+    """`stats` (what `get_stats` returns) in the Prometheus text exposition format, through
+    `prometheus_client`, for a scrape endpoint or node_exporter's textfile collector. Every metric is a
+    gauge of the last request, carrying `labels` (e.g. {"model": "llava-1.5-7b", "rank": "0"}); figures the
+    request does not have (no retrieval: no page reads) are left out, never written as 0. The metrics:
+    `<prefix>_config_info` (the configuration as labels), `_kv_bytes{state=full|kept}`,
+    `_kv_fraction_kept{modality=all|image}`, `_allocated_bytes{kind}`, `_plain_cache_bytes`,
+    `_allocated_vs_plain`, `_prefill_seconds`, `_decode_seconds`, `_decode_steps`, `_page_read_fraction`,
+    `_bytes_read{part,modality,per=request|step}`, `_read_vs_dense{modality}`, `_read_over_budget`."""
+    if not isinstance(stats, dict) or "allocated_bytes" not in stats:
+        raise ConfigError("to_prometheus takes the dict get_stats(model) returns")
+    labels = {str(k): str(v) for k, v in (labels or {}).items()}
+    names = list(labels)
+    registry = CollectorRegistry()
+
+    gauges: dict[str, Gauge] = {}
+
+    def put(name: str, doc: str, value: Any, **extra: str) -> None:
+        """Set gauge `<prefix>_<name>` (made on first use: a gauge without labels would show 0 otherwise)."""
+        if value is None:
+            return
+        g = gauges.get(name)
+        if g is None:
+            g = gauges[name] = Gauge(f"{prefix}_{name}", doc, [*names, *extra], registry=registry)
+        (g.labels(**labels, **extra) if names or extra else g).set(float(value))
+
+    info = Info(f"{prefix}_config", "the wrapped model's configuration", names, registry=registry)
+    config = {k: str(stats.get(k)) for k in _CONFIG_KEYS if k in stats}
+    (info.labels(**labels) if names else info).info(config)
+    kv = "keys and values of the prompt: all of it (full) and what the method kept"
+    put("kv_bytes", kv, stats.get("kv_bytes_full"), state="full")
+    put("kv_bytes", kv, stats.get("kv_bytes_kept"), state="kept")
+    kept = "share of the prompt's KV bytes kept"
+    put("kv_fraction_kept", kept, stats.get("kv_fraction_kept"), modality="all")
+    put("kv_fraction_kept", kept, stats.get("image_kv_fraction_kept"), modality="image")
+    for kind, value in stats["allocated_bytes"].items():
+        put("allocated_bytes", "bytes the cache and the method hold, by kind", value, kind=kind)
+    put("plain_cache_bytes", "what a plain DynamicCache holds for the same request", stats.get("plain_cache_bytes"))
+    put("allocated_vs_plain", "allocated bytes over the plain cache's", stats.get("allocated_vs_plain"))
+    put("prefill_seconds", "prefill time, vision tower included", stats.get("prefill_s"))
+    put("decode_seconds", "decode time, all steps", stats.get("decode_s"))
+    put("decode_steps", "decode forwards", stats.get("decode_steps"))
+    put("page_read_fraction", "share of candidate pages read per step", stats.get("page_read_fraction"))
+    br = stats.get("bytes_read")
+    if br:
+        doc = "bytes the decode steps read, by part and modality"
+        for per, block in (("request", br.get("total") or {}), ("step", br.get("per_step") or {})):
+            for part in _BYTES_PARTS:
+                put("bytes_read", doc, block.get(part), part=part, modality="all", per=per)
+                for modality in ("image", "text"):
+                    v = (block.get(modality) or {}).get(part)
+                    put("bytes_read", doc, v, part=part, modality=modality, per=per)
+        doc = "bytes read per step over dense attention's"
+        put("read_vs_dense", doc, br.get("read_vs_dense"), modality="all")
+        put("read_vs_dense", doc, br.get("image_read_vs_dense"), modality="image")
+        put("read_vs_dense", doc, br.get("text_read_vs_dense"), modality="text")
+        doc = "reads whose summaries and always-read pages exceeded the bytes budget"
+        put("read_over_budget", doc, br.get("over_budget"))
+    return generate_latest(registry).decode("utf-8")
