@@ -244,7 +244,7 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self._k = self._v = None
-        self._stats_t = self._read_t = None
+        self._stats_t = self._read_t = self._resident = None
         self.phase = "empty"
         self.logical_len = 0
         self.is_initialized = False
@@ -344,6 +344,9 @@ class PagedLayer(CacheLayerMixin):
         # bytes read at decode, summed over steps: rows summaries, selected, always_read, dense; columns
         # image, text (a tensor: no device sync per step; `stats` reads it)
         self._read_t = torch.zeros(len(READ_KINDS), 2, dtype=torch.long, device=keys.device)
+        # resident (valid) slots, image and text, kept up to date as decode appends tokens: what dense
+        # attention reads each step, without a pass over the slot table per step
+        self._resident = self._by_modality(self.slot_valid)
 
     # ---- storage -------------------------------------------------------------------------------------
     def _room(self, used: int) -> int:
@@ -480,8 +483,10 @@ class PagedLayer(CacheLayerMixin):
         if new_valid is not None and new_valid.shape == (k.shape[0], q):
             self._valid[..., L : L + q] = new_valid.unsqueeze(1)
             self.all_valid = False
+            self._resident[1] += new_valid.sum() * k.shape[1]  # generated tokens are text
         else:
             self._valid[..., L : L + q] = True
+            self._resident[1] += k.shape[0] * k.shape[1] * q
         closed_before = self.n_decode // S
         first_open = self.prompt_pages + closed_before
         self.n_decode += q
@@ -504,11 +509,11 @@ class PagedLayer(CacheLayerMixin):
         whatever the selection / selected by the retrieval policy (None, None: every slot is read),
         `summary` (2,) the summary bytes scanned, image and text."""
         per_token = kv_bytes_per_token(self.keys)
-        valid = self.slot_valid
-        dense = self._by_modality(valid)
+        dense = self._resident
         if always is None:
             read_always, selected = dense, torch.zeros_like(dense)
         else:
+            valid = self.slot_valid
             page = self.slot_page.clamp(min=0)
             read_always = self._by_modality(valid & always.gather(-1, page))
             selected = self._by_modality(valid & chosen.gather(-1, page))

@@ -243,3 +243,32 @@ def test_the_run_summary_and_the_sweep_table_give_the_bytes_read_of_retrieval_ro
     assert "| oval | 90.00 (100%) read 1.71x |" in table
     assert "| quest:read_bytes_budget | 90.00 (100%) read 0.25x |" in table
     assert "the budget is `read_bytes_budget`" in table
+
+
+def test_dense_counts_the_resident_slots_when_a_later_turns_tokens_hold_padding(model, llava_batch):
+    """A batch of conversations whose next turns differ in length feeds padding inside the new tokens:
+    those slots are not resident, and each step's dense bytes are exactly the valid slots of the table."""
+    inputs = llava_batch(TEXTS)
+    mm_oval.wrap(model, method="snapkv", budget=0.5)
+    cache = new_cache(model)
+    seq = model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False, cache=cache)
+    tail = torch.tensor([[5, 6, 7], [0, 0, 7]])  # the second conversation's next turn is one token
+    tail_mask = torch.tensor([[1, 1, 1], [0, 0, 1]])
+    ids = torch.cat([seq, tail], 1)
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, seq.shape[1] - inputs["input_ids"].shape[1],
+                                                            dtype=torch.long), tail_mask], 1)  # fmt: skip
+    steps = []
+    for layer in cache.layers:
+        count = layer._count_read
+
+        def counted(always, chosen, summary, layer=layer, count=count):
+            steps.append(int(layer.slot_valid.sum()))  # the slot table's resident slots at this step
+            count(always, chosen, summary)
+
+        layer._count_read = counted
+    before = get_stats(model)["bytes_read"]["total"]["dense"]
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                   cache=cache)  # fmt: skip
+    per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
+    assert cache.layers[0].all_valid is False  # the padding went into the table
+    assert get_stats(model)["bytes_read"]["total"]["dense"] - before == sum(steps) * per_token
