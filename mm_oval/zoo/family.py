@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from .model import build_tokenizer
 from .vocab import vocabulary
 
 FAMILY_SPECIAL = [
@@ -71,25 +71,14 @@ def build_family_tokenizer(
     for w in [*vocabulary(), *FAMILY_SPECIAL, *FAMILY_WORDS]:
         if w not in words:
             words.append(w)
-    vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
-        )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="<|im_end|>" if not bos else "</s>",
-        padding_side="left",
-        extra_special_tokens={"image_token": image_token, "video_token": video_token},
+    return build_tokenizer(
+        words,
+        bos=bos,
+        eos="</s>" if bos else "<|im_end|>",
+        special={"image_token": image_token, "video_token": video_token},
+        additional=FAMILY_SPECIAL,
+        chat_template=chat_template,
     )
-    fast.add_special_tokens({"additional_special_tokens": FAMILY_SPECIAL})
-    fast.chat_template = chat_template
-    return fast
 
 
 def _text_kwargs(tok: PreTrainedTokenizerFast, layers: int, hidden: int, heads: int, kv_heads: int) -> dict:

@@ -59,25 +59,38 @@ class TinyLlavaSizes:
         return (self.image_size // self.patch_size) ** 2
 
 
-def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    words: list[str] | None = None,
+    *,
+    bos: bool = True,
+    eos: str = "</s>",
+    special: dict[str, str] | None = None,
+    additional: list[str] | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+) -> PreTrainedTokenizerFast:
+    """A word-level fast tokenizer over `words` (default: the bundled vocabulary) with left padding. `bos`:
+    prepend <s>; `special`: the named special tokens the processor looks up (default: the image
+    placeholder); `additional`: the tokens kept whole, one id each (default: the image placeholder)."""
     words = words or vocabulary()
+    special = special if special is not None else {"image_token": "<image>"}
     vocab = {w: i for i, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
-    )
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
         pad_token="<pad>",
         bos_token="<s>",
-        eos_token="</s>",
+        eos_token=eos,
         padding_side="left",
-        extra_special_tokens={"image_token": "<image>"},
+        extra_special_tokens=special,
     )
-    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    fast.chat_template = CHAT_TEMPLATE
+    fast.add_special_tokens({"additional_special_tokens": additional or ["<image>"]})
+    fast.chat_template = chat_template
     return fast
 
 
