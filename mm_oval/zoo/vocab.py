@@ -25,3 +25,15 @@ def vocabulary() -> list[str]:
         if w not in words:
             words.append(w)
     return words
+
+# the 576-token benchmark's extra words (relations, the object list); appended, so every word of the
+# 64-token vocabulary keeps its id
+_WORDS_576 = """
+nearest top bottom list each by separated commas
+""".split()
+
+
+def vocabulary576() -> list[str]:
+    """The 64-token vocabulary, then the words the 576-token benchmark adds."""
+    words = vocabulary()
+    return words + [w for w in _WORDS_576 if w not in words]

@@ -1,0 +1,168 @@
+"""The vision stage of the 576-token tiny LLaVA: a CLIP tower at LLaVA-1.5's geometry (336 px, patch 14,
+24x24 patches, features from layer -2, CLS dropped) trained so that a linear read-out of every patch feature
+gives what the projector needs: the colour and shape of the object the patch belongs to (or none), the
+object's centre (column and row, in patch units), and the patch's own column and row.
+
+Colour and shape are object properties: a patch inside a large circle looks like a patch inside a large
+square, so the tower must look at the neighbouring patches of the same object (its attention learns to).
+
+Training resumes from `OUT/vision_state.pt` (weights + optimiser, saved with safetensors-free
+`torch.save` of tensors only and read back with `weights_only=True`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..files import atomic_write_text
+from .scenes import GRID, make_scene
+from .vocab import COLORS, SHAPES
+
+log = logging.getLogger(__name__)
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+N_PATCHES = GRID * GRID
+
+
+def pixel_values(images: list) -> torch.Tensor:
+    """What CLIPImageProcessor gives for 336x336 RGB images (no resize or crop needed)."""
+    arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0 for im in images])
+    x = torch.from_numpy(arr).permute(0, 3, 1, 2)
+    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def init_position_code(tower) -> None:
+    """Position embeddings start from a row / column code (dims 0-23 one-hot row, 24-47 one-hot column,
+    48-63 smooth sin/cos of row and column) that the patch embedding leaves free at the start."""
+    emb = tower.embeddings
+    with torch.no_grad():
+        pe = emb.position_embedding.weight
+        pe.zero_()
+        for p in range(N_PATCHES):
+            r, c = divmod(p, GRID)
+            pe[1 + p, r] = 2.0
+            pe[1 + p, GRID + c] = 2.0
+            for k in range(4):
+                f = math.pi * (k + 1) / GRID
+                pe[1 + p, 48 + 4 * k] = math.sin(f * r)
+                pe[1 + p, 49 + 4 * k] = math.cos(f * r)
+                pe[1 + p, 50 + 4 * k] = math.sin(f * c)
+                pe[1 + p, 51 + 4 * k] = math.cos(f * c)
+        emb.patch_embedding.weight[:64] = 0.0
+
+
+def patch_features(model, pixel: torch.Tensor) -> torch.Tensor:
+    """The tower's patch features as LLaVA selects them (config.vision_feature_layer, CLS dropped)."""
+    out = model.model.vision_tower(pixel, output_hidden_states=True)
+    return out.hidden_states[model.config.vision_feature_layer][:, 1:]
+
+
+def targets(scenes) -> torch.Tensor:
+    """(B, 576, 7): colour id, shape id, centre column, centre row (-1 off objects), own column, own row,
+    member flag."""
+    out = np.zeros((len(scenes), N_PATCHES, 7), np.float32)
+    rc = np.arange(N_PATCHES)
+    for i, s in enumerate(scenes):
+        lab = s.patch_labels()
+        out[i, :, :4] = lab[:, :4]
+        out[i, :, 4] = rc % GRID + 0.5
+        out[i, :, 5] = rc // GRID + 0.5
+        out[i, :, 6] = lab[:, 0] > 0
+    return torch.from_numpy(out)
+
+
+class Readout(nn.Module):
+    """Linear read-outs of a patch feature (training only): colour (9), shape (5), centre (2), own position (2)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.color = nn.Linear(dim, len(COLORS) + 1)
+        self.shape = nn.Linear(dim, len(SHAPES) + 1)
+        self.centre = nn.Linear(dim, 2)
+        self.own = nn.Linear(dim, 2)
+
+    def loss(self, feats: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        col, shp = self.color(feats), self.shape(feats)
+        lc = F.cross_entropy(col.flatten(0, 1), t[..., 0].long().flatten())
+        ls = F.cross_entropy(shp.flatten(0, 1), t[..., 1].long().flatten())
+        mem = t[..., 6] > 0
+        cen = self.centre(feats)
+        lcen = ((cen - t[..., 2:4] / GRID) ** 2).sum(-1)[mem].mean() * 100
+        lown = ((self.own(feats) - t[..., 4:6] / GRID) ** 2).sum(-1).mean() * 100
+        with torch.no_grad():
+            stats = {
+                "color_acc": float((col.argmax(-1) == t[..., 0]).float().mean()),
+                "shape_acc_members": float((shp.argmax(-1) == t[..., 1])[mem].float().mean()),
+                "centre_err_patches": float(((cen - t[..., 2:4] / GRID).abs() * GRID)[mem].mean()),
+            }
+        return lc + ls + lcen + lown, stats
+
+
+def scenes_for(seed: int, step: int, batch: int) -> list:
+    return [make_scene(random.Random(seed * 1_000_003 + step * batch + i), min_objects=4) for i in range(batch)]
+
+
+def train_tower(
+    model, out: str | Path, steps: int = 3000, batch: int = 16, lr: float = 1e-3, seed: int = 0
+) -> dict:
+    """Train `model`'s vision tower in place (resumable); returns the last step's statistics."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tower = model.model.vision_tower
+    dim = model.config.vision_config.hidden_size
+    head = Readout(dim)
+    params = list(tower.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    state_path = out / "vision_state.pt"
+    start = 0
+    if state_path.is_file():
+        st = torch.load(state_path, weights_only=True)
+        tower.load_state_dict(st["tower"])
+        head.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        start = int(st["step"])
+        log.info("resumed the vision stage at step %d", start)
+    else:
+        init_position_code(tower)
+    tower.train()
+    stats: dict = {}
+    t0 = time.time()
+    for step in range(start, steps):
+        warm = min(1.0, (step + 1) / 100)
+        for g in opt.param_groups:
+            g["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+        sc = scenes_for(seed, step, batch)
+        pix = pixel_values([s.render() for s in sc])
+        loss, stats = head.loss(patch_features(model, pix), targets(sc))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            rec = {"stage": "vision", "step": step, "loss": float(loss), **stats, "elapsed_s": time.time() - t0}
+            log.info("%s", rec)
+            with open(out / "vision_log.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if (step + 1) % 250 == 0 or step == steps - 1:
+            tmp = state_path.with_suffix(".tmp")
+            torch.save(
+                {"tower": tower.state_dict(), "head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1},
+                tmp,
+            )
+            tmp.replace(state_path)
+    tower.eval()
+    atomic_write_text(out / "vision_done.json", json.dumps(stats))
+    return stats
