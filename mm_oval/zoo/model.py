@@ -94,7 +94,9 @@ def build_tokenizer(
     return fast
 
 
-def build_processor(sizes: TinyLlavaSizes | None = None) -> LlavaProcessor:
+def build_processor(sizes: TinyLlavaSizes | None = None, words: list[str] | None = None) -> LlavaProcessor:
+    """The processor: CLIP image processor at the model's size, the word-level tokenizer over `words`
+    (default: the 64-token benchmark's vocabulary)."""
     sizes = sizes or TinyLlavaSizes()
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": sizes.image_size},
@@ -104,7 +106,7 @@ def build_processor(sizes: TinyLlavaSizes | None = None) -> LlavaProcessor:
     )
     return LlavaProcessor(
         image_processor=image_processor,
-        tokenizer=build_tokenizer(),
+        tokenizer=build_tokenizer(words),
         patch_size=sizes.patch_size,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
@@ -112,9 +114,11 @@ def build_processor(sizes: TinyLlavaSizes | None = None) -> LlavaProcessor:
     )
 
 
-def tiny_llava_config(sizes: TinyLlavaSizes | None = None, vocab_size: int | None = None) -> LlavaConfig:
+def tiny_llava_config(
+    sizes: TinyLlavaSizes | None = None, vocab_size: int | None = None, words: list[str] | None = None
+) -> LlavaConfig:
     sizes = sizes or TinyLlavaSizes()
-    tok = build_tokenizer()
+    tok = build_tokenizer(words)
     vision = CLIPVisionConfig(
         hidden_size=sizes.vision_hidden,
         intermediate_size=4 * sizes.vision_hidden,
@@ -154,12 +158,16 @@ def tiny_llava_config(sizes: TinyLlavaSizes | None = None, vocab_size: int | Non
 
 
 def build_tiny_llava(
-    seed: int = 0, sizes: TinyLlavaSizes | None = None, attn_implementation: str = "sdpa"
+    seed: int = 0,
+    sizes: TinyLlavaSizes | None = None,
+    attn_implementation: str = "sdpa",
+    words: list[str] | None = None,
 ) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
-    """A randomly initialised tiny LLaVA and its processor (seconds on a CPU): what tests use for mechanics."""
+    """A randomly initialised tiny LLaVA and its processor (seconds on a CPU): what tests use for mechanics.
+    `words`: the tokenizer's vocabulary (default: the 64-token benchmark's)."""
     sizes = sizes or TinyLlavaSizes()
     torch.manual_seed(seed)
-    cfg = tiny_llava_config(sizes)
+    cfg = tiny_llava_config(sizes, words=words)
     cfg._attn_implementation = attn_implementation
     model = LlavaForConditionalGeneration(cfg).eval()
     gen = model.generation_config
@@ -167,4 +175,4 @@ def build_tiny_llava(
     gen.eos_token_id = cfg.text_config.eos_token_id
     gen.bos_token_id = cfg.text_config.bos_token_id
     gen.do_sample = False
-    return model, build_processor(sizes)
+    return model, build_processor(sizes, words)
