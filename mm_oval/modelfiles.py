@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoProcessor
 
 from .errors import ConfigError, DataError, ModelError
 from .geometry import SUPPORTED_CLASSES
-from .zoo import bundled_model_path
+from .zoo import bundled576_model_path, bundled_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,12 @@ def _brief(e: BaseException) -> str:
 
 
 def resolve_model_path(spec: str | Path) -> str:
-    """`bundled` -> the bundled tiny LLaVA's folder; anything else as given (a local path or a Hub id)."""
+    """`bundled` / `bundled576` -> the bundled tiny LLaVAs' folders (64 and 576 image tokens); anything else
+    as given (a local path or a Hub id)."""
     if str(spec) == "bundled":
         return str(bundled_model_path())
+    if str(spec) == "bundled576":
+        return str(bundled576_model_path())
     return str(spec)
 
 

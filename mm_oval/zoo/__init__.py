@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import DataError, ModelError
 
-__all__ = ["bundled_data_dir", "bundled_model_path"]
+__all__ = ["bundled576_model_path", "bundled_data_dir", "bundled_model_path"]
 
 
 def bundled_model_path() -> Path:
@@ -21,6 +21,17 @@ def bundled_model_path() -> Path:
         raise ModelError(
             f"the bundled tiny LLaVA is missing from {path} (config.json / model.safetensors); "
             "reinstall mm-oval, or train it with `mm-oval zoo train --out DIR` and point --model at DIR"
+        )
+    return path
+
+
+def bundled576_model_path() -> Path:
+    """Directory of the committed 576-token tiny LLaVA (LLaVA-1.5's image geometry: 336 px, patch 14)."""
+    path = Path(str(resources.files("mm_oval.zoo") / "tiny_llava576"))
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ModelError(
+            f"the bundled 576-token tiny LLaVA is missing from {path} (config.json / model.safetensors); "
+            "reinstall mm-oval, or build it with `mm-oval zoo train576 --out DIR` and point --model at DIR/model"
         )
     return path
 

@@ -44,6 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             t.add_argument(flag, type=type(f.default), default=f.default)
 
+    t5 = sub.add_parser(
+        "train576",
+        help="build the 576-token tiny LLaVA: train its vision tower (resumes), write the projector and "
+        "language model in closed form, export to OUT/model",
+    )
+    t5.add_argument("--out", required=True, help="run directory; the exported model goes to OUT/model")
+    t5.add_argument("--vision-steps", type=int, default=3000)
+    t5.add_argument("--batch", type=int, default=12)
+    t5.add_argument("--seed", type=int, default=0)
+
     c = sub.add_parser("check", help="grounding check of a checkpoint on the bundled dev questions")
     c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled one)")
     c.add_argument("--data", default=None, help="dev-set directory (default: the bundled one)")
@@ -62,6 +72,14 @@ def run(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
         path = train(args.out, cfg)
         print(path)
+        return 0
+    if args.zoo_command == "train576":
+        from .build576 import train576
+
+        for name in ("vision_steps", "batch"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        print(train576(args.out, vision_steps=args.vision_steps, batch=args.batch, seed=args.seed))
         return 0
     if args.zoo_command == "check":
         report = grounding_report(model_path=args.model, data_dir=args.data)

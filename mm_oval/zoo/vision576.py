@@ -65,19 +65,32 @@ def init_position_code(tower) -> None:
 
 
 def patch_features(model, pixel: torch.Tensor) -> torch.Tensor:
-    """The tower's patch features as LLaVA selects them (config.vision_feature_layer, CLS dropped)."""
-    out = model.model.vision_tower(pixel, output_hidden_states=True)
-    return out.hidden_states[model.config.vision_feature_layer][:, 1:]
+    """The tower's patch features as LLaVA selects them (config.vision_feature_layer, CLS dropped). Runs
+    only the layers the selected feature depends on (the same values as the full tower's hidden state)."""
+    tower = model.model.vision_tower
+    tower = getattr(tower, "vision_model", tower)
+    layer = model.config.vision_feature_layer
+    n = len(tower.encoder.layers)
+    keep = layer % (n + 1)  # hidden_states[layer] is the output of `keep` encoder layers
+    h = tower.pre_layrnorm(tower.embeddings(pixel))
+    for blk in tower.encoder.layers[:keep]:
+        out = blk(h, None)
+        h = out[0] if isinstance(out, tuple) else out
+    return h[:, 1:]
+
+
+OFF_CENTRE = 1.5 * GRID  # the "centre" of a patch outside every object: far off the grid (below, right)
 
 
 def targets(scenes) -> torch.Tensor:
-    """(B, 576, 7): colour id, shape id, centre column, centre row (-1 off objects), own column, own row,
-    member flag."""
+    """(B, 576, 7): colour id, shape id, centre column, centre row (OFF_CENTRE off objects), own column,
+    own row, member flag."""
     out = np.zeros((len(scenes), N_PATCHES, 7), np.float32)
     rc = np.arange(N_PATCHES)
     for i, s in enumerate(scenes):
         lab = s.patch_labels()
         out[i, :, :4] = lab[:, :4]
+        out[i, lab[:, 0] == 0, 2:4] = OFF_CENTRE
         out[i, :, 4] = rc % GRID + 0.5
         out[i, :, 5] = rc // GRID + 0.5
         out[i, :, 6] = lab[:, 0] > 0
@@ -100,7 +113,7 @@ class Readout(nn.Module):
         ls = F.cross_entropy(shp.flatten(0, 1), t[..., 1].long().flatten())
         mem = t[..., 6] > 0
         cen = self.centre(feats)
-        lcen = ((cen - t[..., 2:4] / GRID) ** 2).sum(-1)[mem].mean() * 100
+        lcen = ((cen - t[..., 2:4] / GRID) ** 2).sum(-1).mean() * 100
         lown = ((self.own(feats) - t[..., 4:6] / GRID) ** 2).sum(-1).mean() * 100
         with torch.no_grad():
             stats = {
@@ -108,7 +121,7 @@ class Readout(nn.Module):
                 "shape_acc_members": float((shp.argmax(-1) == t[..., 1])[mem].float().mean()),
                 "centre_err_patches": float(((cen - t[..., 2:4] / GRID).abs() * GRID)[mem].mean()),
             }
-        return lc + ls + lcen + lown, stats
+        return lc + 2 * ls + lcen + lown, stats
 
 
 def scenes_for(seed: int, step: int, batch: int) -> list:
