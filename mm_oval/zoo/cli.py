@@ -54,9 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t5.add_argument("--batch", type=int, default=12)
     t5.add_argument("--seed", type=int, default=0)
 
-    c = sub.add_parser("check", help="grounding check of a checkpoint on the bundled dev questions")
-    c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled one)")
-    c.add_argument("--data", default=None, help="dev-set directory (default: the bundled one)")
+    c = sub.add_parser("check", help="grounding check of a checkpoint (its geometry read from the model)")
+    c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled 64-token one)")
+    c.add_argument("--data", default=None, help="dev-set folder (default: the bundled one for the model)")
     c.add_argument("--json", default=None, help="also write the figures to this JSON file")
 
 
