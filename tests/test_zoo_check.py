@@ -1,7 +1,10 @@
 """`mm-oval zoo check` at any geometry: the grid comes from the model (and the data's meta), the question
-types from the data."""
+types from the data; a blank image scores no better than the answer prior on every bundled model."""
 
 import json
+from collections import Counter
+from importlib import resources
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +16,64 @@ from mm_oval.modelfiles import load_model
 from mm_oval.prompts import chat_prompt, short_answer_prompt
 from mm_oval.zoo import bundled_data_dir
 from mm_oval.zoo.check import (
+    answer_prior,
+    blank_above_prior,
     bundled_data_for_grid,
+    first_token_answers,
     grounding_report,
     load_vqa_items,
+    model_grid,
 )
 from mm_oval.zoo.generate import image_name
 from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+# (model folder in mm_oval.zoo, dev-set folder in mm_oval.eval/data): every bundled model with its dev sets
+BUNDLED = [("tiny_llava", "synth"), ("tiny_llava576", "synth576")]
+
+
+def bundled_pair(model_name: str, data_name: str):
+    model_dir = Path(str(resources.files("mm_oval.zoo") / model_name))
+    data_dir = Path(str(resources.files("mm_oval.eval") / "data" / data_name))
+    if not (model_dir / "model.safetensors").is_file():
+        pytest.skip(f"the bundled model mm_oval/zoo/{model_name} is not built (no model.safetensors)")
+    if not (data_dir / "targets.json").is_file():
+        pytest.skip(f"the bundled dev sets eval/data/{data_name} are not generated (no targets.json)")
+    return model_dir, data_dir
+
+
+@pytest.mark.parametrize(("model_name", "data_name"), BUNDLED)
+def test_a_blank_image_scores_no_better_than_the_answer_prior(model_name, data_name):
+    """With a blank image the model can only answer from the question's text: per type at most the share of
+    the type's most frequent answer, plus two binomial standard errors at the type's question count (about
+    0.10-0.13 at 60 questions). Measured on the 64-token model (300 questions): blank accuracy equals the
+    prior on 'color at position' (0.183) and 'exists' (0.567) and is below it elsewhere (counts: 0.067 vs
+    0.717, since a blank image truly holds 0 objects). The margin is what separates guessing from seeing:
+    the same model's real-image answers exceed it on every type, so a model whose blank-image answers were
+    still right would fail here."""
+    model_dir, data_dir = bundled_pair(model_name, data_name)
+    model, processor = load_model(model_dir, "cpu")
+    items = load_vqa_items(data_dir, grid=model_grid(model))
+    blank, _ = first_token_answers(model, processor, items, data_dir, blank=True)
+    assert blank_above_prior(items, blank) == {}
+    real, _ = first_token_answers(model, processor, items, data_dir)
+    assert set(blank_above_prior(items, real)) == set(answer_prior(items))
+
+
+def test_the_prior_check_flags_answers_beyond_the_prior_and_passes_guessing():
+    items = load_vqa_items(bundled_data_dir())
+    prior = answer_prior(items)
+    mode = {t: Counter(it["answer"] for it in items if it["type"] == t).most_common(1)[0][0] for t in prior}
+    # always the type's most frequent answer: exactly the prior, never flagged
+    assert blank_above_prior(items, [mode[it["type"]] for it in items]) == {}
+    # right answers on one type only: that type is flagged, with its figures
+    right_on = "color of shape"
+    answers = [it["answer"] if it["type"] == right_on else mode[it["type"]] for it in items]
+    flagged = blank_above_prior(items, answers)
+    assert list(flagged) == [right_on]
+    assert flagged[right_on]["blank"] == 1.0 and flagged[right_on]["prior"] == pytest.approx(prior[right_on])
+    assert 0.05 < flagged[right_on]["margin"] < 0.15 and flagged[right_on]["questions"] == 60
 
 
 def test_the_bundled_report_reads_its_grid_and_shows_per_type_attention_on_the_targets(tiny_bundled):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -179,6 +180,22 @@ def accuracy_by_type(items: list[dict], preds: list[str]) -> dict[str, float]:
         hits[it["type"]].append(float(p == it["answer"]))
         hits["all"].append(float(p == it["answer"]))
     return {t: sum(v) / len(v) for t, v in hits.items()}
+
+
+def blank_above_prior(items: list[dict], blank_preds: list[str], sigmas: float = 2.0) -> dict[str, dict]:
+    """The question types whose blank-image accuracy exceeds the answer prior by more than `sigmas`
+    binomial standard errors of the prior at the type's question count: a model that read the answer from
+    the text alone can reach the prior (plus noise), not more. Empty when every type is within the margin.
+    A model that scores below the prior with a blank image is not flagged: a blank image truthfully shows
+    no objects, so "how many ...?" -> "0" and "is there ...?" -> "no" are the right answers to it."""
+    prior, blank = answer_prior(items), accuracy_by_type(items, blank_preds)
+    counts = Counter(it["type"] for it in items)
+    out = {}
+    for t, p in prior.items():
+        margin = sigmas * math.sqrt(p * (1 - p) / counts[t])
+        if blank[t] > p + margin:
+            out[t] = {"blank": blank[t], "prior": p, "margin": margin, "questions": counts[t]}
+    return out
 
 
 def _mean(xs: list[float]) -> float:
