@@ -29,7 +29,7 @@ def vocabulary() -> list[str]:
 # the 576-token benchmark's extra words (relations, the object list); appended, so every word of the
 # 64-token vocabulary keeps its id
 _WORDS_576 = """
-nearest top bottom list each by separated commas
+nearest top bottom list List each by separated commas
 """.split()
 
 
