@@ -104,6 +104,7 @@ TASKS: dict[str, str] = {
     "vqav2": "mm_oval.eval.vqa:VQAv2Task",
     "textvqa": "mm_oval.eval.textvqa:TextVQATask",
     "pope": "mm_oval.eval.pope:POPETask",
+    "objlist": "mm_oval.eval.objlist:ObjListTask",
 }
 
 

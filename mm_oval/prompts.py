@@ -23,6 +23,8 @@ from .files import is_missing
 # LLaVA-1.5's instruction after short-answer questions (VQAv2, TextVQA, POPE, GQA, ...)
 SHORT_ANSWER_PROMPT = "Answer the question using a single word or phrase."
 MMBENCH_INSTRUCTION = "Answer with the option's letter from the given choices directly."
+# the object-list task's instruction (eval/objlist.py): the answer is a comma-separated list
+LIST_INSTRUCTION = "List each object by its color and shape, separated by commas."
 OPTION_LETTERS = ("A", "B", "C", "D")
 # where the cache is compressed: "prompt" = after the whole prompt (image + question) is prefilled, as
 # LLaVA evaluates; "image" = right after the image, before the question is read (question-agnostic: the
@@ -40,6 +42,11 @@ def short_answer_prompt(question: str) -> str:
     """LLaVA-1.5's prompt for a short-answer question (VQAv2, TextVQA, POPE): the question, then the
     instruction on its own line."""
     return f"{question}\n{SHORT_ANSWER_PROMPT}"
+
+
+def list_prompt(question: str) -> str:
+    """The object-list task's prompt: the question, then the list instruction on its own line."""
+    return f"{question}\n{LIST_INSTRUCTION}"
 
 
 def mmbench_prompt(question: Any, hint: Any, options: list[Any]) -> str:
