@@ -47,7 +47,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="dataset file or folder ('bundled' = the bundled synthetic dev sets). MMBench: the TSV; "
         "VQAv2: folder with *questions*.json, *annotations*.json and the images; TextVQA: the JSON; "
-        "POPE: the JSONL or a folder of coco_pope_<category>.json",
+        "POPE: the JSONL or a folder of coco_pope_<category>.json; objlist: list_dev.jsonl or its folder",
     )
     parser.add_argument("--questions", help="VQAv2/TextVQA questions file (overrides the search in --data)")
     parser.add_argument("--annotations", help="VQAv2 annotations file (overrides the search in --data)")
@@ -78,7 +78,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size", type=positive_int, default=1, help="questions per generate call (left padding)"
     )
-    parser.add_argument("--max-new-tokens", type=positive_int, help="default: 16 (short-answer prompts)")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="default: 16 (short answers); objlist: 48")
     parser.add_argument(
         "--multi-turn",
         type=positive_int,
@@ -115,7 +115,7 @@ def add_rules_argument(parser: argparse.ArgumentParser) -> None:
         "--rules",
         help="scoring rule where the official sources disagree (default: the task's first). VQAv2: "
         "lmms-eval (default), vqaeval (VQA master a013f00), vqaeval-2017 (c4e6a0e); MMBench: opencompass; "
-        "TextVQA: m4c; POPE: llava",
+        "TextVQA: m4c; POPE: llava; objlist: objlist-v1",
     )
 
 

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--predictions",
         required=True,
         help='VQAv2/TextVQA: JSON [{"question_id", "answer"}]; MMBench: TSV/CSV/XLSX with index and prediction; '
-        "POPE: JSONL with question_id and text",
+        "POPE, objlist: JSONL with question_id and text",
     )
     add_rules_argument(parser)
     parser.add_argument("--out", help="write the results JSON here (a folder or a .json path)")
