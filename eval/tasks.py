@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from PIL import Image
 
 from ..errors import ConfigError, DataError
-from ..zoo import bundled_data_dir
+from ..zoo import bundled576_data_dir, bundled_data_dir
 
 
 @dataclass
@@ -116,9 +116,11 @@ def get_task(name: str) -> Task:
 
 
 def resolve_data(data: str | Path) -> Path:
-    """`bundled` -> the bundled synthetic dev sets; anything else must exist."""
+    """`bundled` -> the bundled synthetic dev sets, `bundled576` -> the 576-token ones; anything else must exist."""
     if str(data) == "bundled":
         return bundled_data_dir()
+    if str(data) == "bundled576":
+        return bundled576_data_dir()
     path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"data path not found: {path}")

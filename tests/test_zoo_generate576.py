@@ -1,5 +1,5 @@
 """The 576-token benchmark: every answer and target is recomputed here from the scene objects with code of
-its own (regions, orders, distances)."""
+its own (regions, orders, distances), and the committed folder is compared with a full regeneration."""
 
 import base64
 import csv
@@ -11,10 +11,13 @@ import re
 
 import numpy as np
 import pytest
+from mm_oval.eval.tasks import resolve_data
 from PIL import Image
 
+from mm_oval.cli import main
 from mm_oval.errors import ConfigError
 from mm_oval.prompts import mmbench_prompt, short_answer_prompt
+from mm_oval.zoo import bundled576_data_dir
 from mm_oval.zoo.generate576 import (
     CIRCULAR_OFFSET,
     LIST_INSTRUCTION,
@@ -264,6 +267,32 @@ def test_small_dev_sets_follow_every_rule(small):
     _check_dev_sets(d, SMALL.vqa_images, SMALL.pope_images, SMALL.mmbench_questions, SMALL.list_images)
 
 
+def test_committed_dev_sets_follow_every_rule_and_stay_small():
+    d = bundled576_data_dir()
+    distractors = _check_dev_sets(d, 40, 30, 48, 30)
+    non_lookup = 48 - 48 // 9  # hint lookups are every ninth question
+    assert non_lookup / 6 <= distractors <= non_lookup / 2  # about a third
+    size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+    assert size < 8.5e6
+    assert len(list((d / "images").glob("*.png"))) == 100
+
+
+def test_committed_dev_sets_equal_a_full_regeneration(tmp_path):
+    generate_dev_sets576(tmp_path, seed=0)
+    bundled = bundled576_data_dir()
+    for name in FILES:
+        assert (bundled / name).read_text() == (tmp_path / name).read_text(), name
+    a, b = _tsv(bundled / "mmbench_dev.tsv"), _tsv(tmp_path / "mmbench_dev.tsv")
+    assert [{k: v for k, v in r.items() if k != "image"} for r in a] == [
+        {k: v for k, v in r.items() if k != "image"} for r in b
+    ]
+    names = sorted(p.name for p in (bundled / "images").glob("*.png"))
+    assert names == sorted(p.name for p in (tmp_path / "images").glob("*.png"))
+    for name in names[::7]:
+        pa, pb = (np.asarray(Image.open(x / "images" / name)) for x in (bundled, tmp_path))
+        assert (pa == pb).all(), name
+
+
 def test_the_seed_changes_the_dev_sets(tmp_path, small):
     generate_dev_sets576(tmp_path, seed=1, sizes=SMALL)
     assert (tmp_path / "targets.json").read_text() != (small[0] / "targets.json").read_text()
@@ -418,3 +447,19 @@ def test_bad_sampler_inputs_raise_clear_errors():
         TrainSampler576(0, min_objects=0)
     with pytest.raises(ConfigError, match="order"):
         q_list(make_scene(random.Random(0)), random.Random(0), "right to left")
+
+
+def test_cli_generates_the_576_benchmark_and_keeps_64_the_default(tmp_path, capsys):
+    argv = ["zoo", "generate", "--out", str(tmp_path / "g"), "--vqa-images", "2", "--pope-images", "1"]
+    assert main([*argv, "--geometry", "576", "--mmbench-questions", "3", "--list-images", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["list"] == 2
+    assert len(_jsonl(tmp_path / "g" / "list_dev.jsonl")) == 2
+    assert main([*argv, "--mmbench-questions", "3", "--out", str(tmp_path / "h")]) == 0
+    assert json.loads((tmp_path / "h" / "targets.json").read_text())["meta"]["grid"] == 8
+    assert main([*argv, "--list-images", "1", "--out", str(tmp_path / "i")]) == 2
+    assert "--geometry 576" in capsys.readouterr().err
+
+
+def test_bundled576_names_the_committed_folder():
+    assert resolve_data("bundled576") == bundled576_data_dir()
+    assert (bundled576_data_dir() / "list_dev.jsonl").is_file()

@@ -2,7 +2,8 @@
 
 `bundled_model_path()` is the committed checkpoint (loads with `LlavaForConditionalGeneration.from_pretrained`
 and `AutoProcessor.from_pretrained`); `bundled_data_dir()` is the committed synthetic dev sets
-(MMBench TSV, VQAv2 JSON, POPE JSONL, images, targets.json)."""
+(MMBench TSV, VQAv2 JSON, POPE JSONL, images, targets.json); `bundled576_data_dir()` the 576-token
+benchmark's (the same files plus the list task's list_dev.jsonl)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from ..errors import DataError, ModelError
 
-__all__ = ["bundled576_model_path", "bundled_data_dir", "bundled_model_path"]
+__all__ = ["bundled576_data_dir", "bundled576_model_path", "bundled_data_dir", "bundled_model_path"]
 
 
 def bundled_model_path() -> Path:
@@ -43,5 +44,16 @@ def bundled_data_dir() -> Path:
         raise DataError(
             f"the bundled synthetic dev sets are missing from {path}; reinstall mm-oval, or regenerate them "
             "with `mm-oval zoo generate --out DIR`"
+        )
+    return path
+
+
+def bundled576_data_dir() -> Path:
+    """Directory of the committed 576-token dev sets (eval/data/synth576, shipped as mm_oval.eval package data)."""
+    path = Path(str(resources.files("mm_oval.eval") / "data" / "synth576"))
+    if not path.is_dir():
+        raise DataError(
+            f"the bundled 576-token dev sets are missing from {path}; reinstall mm-oval, or regenerate them "
+            "with `mm-oval zoo generate --geometry 576 --out DIR`"
         )
     return path

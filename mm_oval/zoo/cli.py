@@ -12,6 +12,8 @@ from ..errors import ConfigError
 from ..files import atomic_write_text
 from .check import grounding_report
 from .generate import DevSizes, generate_dev_sets
+from .generate576 import DevSizes as DevSizes576
+from .generate576 import generate_dev_sets576
 from .train import TrainConfig, train
 
 log = logging.getLogger(__name__)
@@ -22,14 +24,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = sub.add_parser(
         "generate", help="write the synthetic dev sets (MMBench TSV, VQAv2 JSON, POPE JSONL, images)"
     )
-    g.add_argument("--out", required=True, help="output directory (the bundled copy is eval/data/synth)")
+    g.add_argument(
+        "--out",
+        required=True,
+        help="output directory (the bundled copies: eval/data/synth, 576: eval/data/synth576)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
-        "--vqa-images", type=int, default=60, help="images with one VQA question of each of 5 types"
+        "--geometry",
+        type=int,
+        choices=(64, 576),
+        default=64,
+        help="image tokens: 64 (8x8 cells, eval/data/synth) or 576 (LLaVA-1.5's 24x24, eval/data/synth576)",
     )
-    g.add_argument("--pope-images", type=int, default=50, help="images with 6 POPE questions each")
     g.add_argument(
-        "--mmbench-questions", type=int, default=150, help="base MMBench questions (rotations extra)"
+        "--vqa-images",
+        type=int,
+        default=None,
+        help="images with one VQA question of each type (default: 60 with 5 types; 576: 40 with 8)",
+    )
+    g.add_argument(
+        "--pope-images",
+        type=int,
+        default=None,
+        help="images with 6 POPE questions each (default 50; 576: 30)",
+    )
+    g.add_argument(
+        "--mmbench-questions",
+        type=int,
+        default=None,
+        help="base MMBench questions, rotations extra (default 150; 576: 48)",
+    )
+    g.add_argument(
+        "--list-images",
+        type=int,
+        default=None,
+        help="576 only: images with the 2 list questions (default 30)",
     )
 
     t = sub.add_parser(
@@ -62,10 +92,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.zoo_command == "generate":
-        sizes = DevSizes(
-            vqa_images=args.vqa_images, pope_images=args.pope_images, mmbench_questions=args.mmbench_questions
-        )
-        counts = generate_dev_sets(args.out, seed=args.seed, sizes=sizes)
+        given = {
+            k: getattr(args, k)
+            for k in ("vqa_images", "pope_images", "mmbench_questions", "list_images")
+            if getattr(args, k) is not None
+        }
+        if args.geometry == 576:
+            counts = generate_dev_sets576(args.out, seed=args.seed, sizes=DevSizes576(**given))
+        else:
+            if "list_images" in given:
+                raise ConfigError(
+                    "--list-images needs --geometry 576 (the 64-token benchmark has no list task)"
+                )
+            counts = generate_dev_sets(args.out, seed=args.seed, sizes=DevSizes(**given))
         print(json.dumps(counts))
         return 0
     if args.zoo_command == "train":
