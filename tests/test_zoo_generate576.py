@@ -17,6 +17,8 @@ from PIL import Image
 from mm_oval.cli import main
 from mm_oval.errors import ConfigError
 from mm_oval.prompts import mmbench_prompt, short_answer_prompt
+from mm_oval.training.router import load_prompts
+from mm_oval.training.traces import load_samples
 from mm_oval.zoo import bundled576_data_dir
 from mm_oval.zoo.generate576 import (
     CIRCULAR_OFFSET,
@@ -463,3 +465,14 @@ def test_cli_generates_the_576_benchmark_and_keeps_64_the_default(tmp_path, caps
 def test_bundled576_names_the_committed_folder():
     assert resolve_data("bundled576") == bundled576_data_dir()
     assert (bundled576_data_dir() / "list_dev.jsonl").is_file()
+
+
+def test_zoo576_specs_draw_from_the_576_train_split():
+    samples = load_samples("zoo576:train:3", followups=1)
+    assert [s.sample_id for s in samples] == [f"zoo576-train-0-{i}" for i in range(3)]
+    assert all(s.images[0].size == (336, 336) and len(s.followups) == 1 for s in samples)
+    held = load_samples("zoo576:heldout:3")
+    assert [s.question for s in held] != [s.question for s in samples]
+    assert load_samples("zoo:train:1")[0].images[0].size == (128, 128)  # the 64-token form is unchanged
+    prompts = load_prompts("zoo576:2")
+    assert len(prompts) == 2 and prompts[0].image.size == (336, 336)

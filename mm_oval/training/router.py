@@ -31,6 +31,7 @@ from ..pages import layout_pages
 from ..policies.base import IMAGE, PAD
 from ..policies.router import HybridRouter, RouterConfig, model_signature, pool_page_content
 from ..zoo.generate import TrainSampler
+from ..zoo.generate576 import TrainSampler576
 from .traces import load_samples
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,11 @@ class Prompt:
     text: str  # user text after the image
 
 
-def zoo_prompts(n: int, seed: int) -> list[Prompt]:
-    """Prompts from the bundled scene generator's train split (never the dev sets)."""
+def zoo_prompts(n: int, seed: int, geometry: int = 64) -> list[Prompt]:
+    """Prompts from the bundled scene generator's train split (never the dev sets); `geometry=576`: the
+    576-token benchmark's."""
 
-    sampler = TrainSampler(seed=seed)
+    sampler = TrainSampler576(seed=seed) if geometry == 576 else TrainSampler(seed=seed)
     out = []
     for i in range(n):
         item = sampler.item(i, 1)
@@ -70,10 +72,11 @@ def zoo_prompts(n: int, seed: int) -> list[Prompt]:
 
 
 def load_prompts(spec: str, seed: int = 0) -> list[Prompt]:
-    """`zoo:N` (the bundled generator's train split), `toy:N`, an MMBench TSV or a JSONL of {image, question}."""
+    """`zoo:N` (the bundled generator's train split; `zoo576:N` the 576-token one's), `toy:N`, an MMBench TSV
+    or a JSONL of {image, question}."""
     if spec.startswith("zoo"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else 256
-        return zoo_prompts(n, seed)
+        return zoo_prompts(n, seed, 576 if spec.split(":", 1)[0] == "zoo576" else 64)
 
     samples = load_samples(spec, seed=seed)
     out = [Prompt(s.images[0], s.question) for s in samples if s.images]

@@ -43,6 +43,7 @@ from ..policies.base import IMAGE, TEXT
 from ..policies.signature import model_signature
 from ..prompts import COMPRESS_AT
 from ..zoo.generate import TrainSampler
+from ..zoo.generate576 import TrainSampler576
 from ..zoo.vocab import COLORS, SHAPES
 
 logger = logging.getLogger(__name__)
@@ -169,27 +170,30 @@ def jsonl_samples(path: Path) -> list[TraceSample]:
 ZOO_HELDOUT_SEED_OFFSET = 1_000
 
 
-def zoo_samples(split: str, n: int, seed: int, followups: int = 0) -> list[TraceSample]:
+def zoo_samples(split: str, n: int, seed: int, followups: int = 0, geometry: int = 64) -> list[TraceSample]:
     """Samples from the bundled tiny LLaVA's scene generator (its train split, drawn on the fly), with the
     evaluation prompts (VQA or MMBench style) and `followups` later questions about the same scene.
     `split="heldout"` draws from another seed, for held-out traces that share no scene with `train` (the dev
-    sets are kept for evaluation)."""
+    sets are kept for evaluation). `geometry=576`: the 576-token benchmark's scenes (`zoo576:` specs)."""
 
+    prefix = "zoo576" if geometry == 576 else "zoo"
     if split not in ("train", "heldout"):
-        raise DataError(f"zoo split {split!r}: use zoo:train[:N] or zoo:heldout[:N]")
-    sampler = TrainSampler(seed + (ZOO_HELDOUT_SEED_OFFSET if split == "heldout" else 0))
+        raise DataError(f"{prefix} split {split!r}: use {prefix}:train[:N] or {prefix}:heldout[:N]")
+    sampler_seed = seed + (ZOO_HELDOUT_SEED_OFFSET if split == "heldout" else 0)
+    sampler = TrainSampler576(sampler_seed) if geometry == 576 else TrainSampler(sampler_seed)
     out = []
     for i in range(n):
         item = sampler.item(i, 1 + followups)
         turns = [(q.mmbench_prompt() if q.options else q.vqa_prompt(), q.answer) for q in item.questions]
         (text, answer), later = turns[0], turns[1:]
-        out.append(TraceSample(f"zoo-{split}-{seed}-{i}", [item.image], text, answer, later))
+        out.append(TraceSample(f"{prefix}-{split}-{seed}-{i}", [item.image], text, answer, later))
     return out
 
 
 def load_samples(spec: str, limit: int | None = None, seed: int = 0, followups: int = 0) -> list[TraceSample]:
-    """`toy[:N]`, `zoo:SPLIT[:N]`, an MMBench TSV, or a JSONL of {image, question, answer}. `followups`
-    (zoo only) adds later questions about the same image to each sample."""
+    """`toy[:N]`, `zoo:SPLIT[:N]` (`zoo576:SPLIT[:N]`: the 576-token scenes), an MMBench TSV, or a JSONL of
+    {image, question, answer}. `followups` (zoo only) adds later questions about the same image to each
+    sample."""
     if spec.startswith("toy"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else (limit or 64)
         return toy_samples(min(n, limit or n), seed=seed)
@@ -197,7 +201,8 @@ def load_samples(spec: str, limit: int | None = None, seed: int = 0, followups: 
         parts = spec.split(":")
         split = parts[1] if len(parts) > 1 and parts[1] else "train"
         n = int(parts[2]) if len(parts) > 2 else (limit or 512)
-        return zoo_samples(split, min(n, limit or n), seed, followups)
+        geometry = 576 if parts[0] == "zoo576" else 64
+        return zoo_samples(split, min(n, limit or n), seed, followups, geometry)
     path = Path(spec)
     if not path.is_file():
         raise DataError(
