@@ -16,13 +16,12 @@ from PIL import Image
 
 from mm_oval.cli import main
 from mm_oval.errors import ConfigError
-from mm_oval.prompts import mmbench_prompt, short_answer_prompt
+from mm_oval.prompts import LIST_INSTRUCTION, mmbench_prompt, short_answer_prompt
 from mm_oval.training.router import load_prompts
 from mm_oval.training.traces import load_samples
 from mm_oval.zoo import bundled576_data_dir
 from mm_oval.zoo.generate576 import (
     CIRCULAR_OFFSET,
-    LIST_INSTRUCTION,
     MMB_COLUMNS,
     TRAIN_KINDS,
     VQA_TYPES,

@@ -33,6 +33,7 @@ from PIL import Image
 
 from ..errors import ConfigError
 from ..files import atomic_write_bytes, atomic_write_text
+from ..prompts import list_prompt
 from .generate import (
     CIRCULAR_OFFSET,
     COLOR_AT,
@@ -96,8 +97,6 @@ ORDERS = ("left to right", "top to bottom")
 MIN_GAP = 2.0  # patches between centres for left of / above
 NEAREST_RATIO = 1.3  # second nearest at least this many times as far as the nearest
 DISTRACTOR_FRACTION = 1 / 3  # MMBench questions (other than hint lookups) with a distractor hint
-# the list task's instruction after the question (the harness's list prompt)
-LIST_INSTRUCTION = "List each object by its color and shape, separated by commas."
 
 Patch = tuple[int, int]
 
@@ -107,7 +106,7 @@ class ListQuestion(Question):
     tokenizer's spelling); its prompt ends in the list instruction instead of the short-answer one."""
 
     def vqa_prompt(self) -> str:
-        return f"{self.text}\n{LIST_INSTRUCTION}"
+        return list_prompt(self.text)
 
 
 # ------------------------------------------------------------------------------------------------
