@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every eviction and retrieval method against the image-KV budget on the 576-token bundled benchmark
+# (LLaVA-1.5's image geometry), in four settings: the image compressed before the question is read
+# (VQAv2 and MMBench, single turn), conversations of 4 questions about one compressed image (VQAv2), and
+# the long-answer object list (every answer token decoded from the compressed cache). 3 sinks and no
+# recent window, so all 576 image tokens are a real choice. Each cell resumes; tables and plots land in
+# docs/results/ as *_576.md / *_576.png.
+#
+#   scripts/sweep_bundled576.sh
+set -euo pipefail
+BIN=${BIN:-.venv/bin}
+OUT=${OUT:-runs/bundled576}
+BUDGETS=${BUDGETS:-0.05,0.1,0.25,0.5}
+mkdir -p "$OUT" docs/results
+O=sink_tokens=3,recent_tokens=0
+EVICTION=(expected_attention:$O adakv:$O,scorer=expected_attention kvzip:$O pyramidkv:$O adakv:$O
+          keydiff:$O fastv:$O h2o:$O tova:$O snapkv:$O streamingllm:$O random:$O knorm:$O)
+EVICTION+=(${EXTRA_EVICTION:-})
+RETRIEVAL=(oval:$O quest:$O ${EXTRA_RETRIEVAL:-})
+run() {  # name, then the sweep's arguments
+    local name=$1; shift
+    OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model bundled576 --data bundled576 \
+        --budgets "$BUDGETS" --no-progress --out "$OUT/sweep-$name" "$@" > "$OUT/sweep-$name.log" 2>&1
+    cp "$OUT/sweep-$name/sweep.md" "docs/results/${name}_576.md"
+    cp "$OUT/sweep-$name/sweep.png" "docs/results/${name}_576.png"
+}
+run vqav2_compress_image --task vqav2 --compress image --batch-size 20 --methods "${EVICTION[@]}" "${RETRIEVAL[@]}" &
+run mmbench_compress_image --task mmbench --compress image --batch-size 20 --methods "${EVICTION[@]}" "${RETRIEVAL[@]}" &
+wait
+run objlist_compress_image --task objlist --compress image --batch-size 20 --methods "${EVICTION[@]}" "${RETRIEVAL[@]}" &
+run vqav2_multi_turn4 --task vqav2 --multi-turn 4 --methods "${EVICTION[@]}" &
+wait
