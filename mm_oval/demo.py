@@ -1,5 +1,7 @@
-"""`mm-oval demo`: evaluate the bundled tiny LLaVA on the bundled VQAv2 / POPE / MMBench dev sets through the
-evaluation harness, with the full cache and with KV-cache methods at one image-KV budget; print one table.
+"""`mm-oval demo`: evaluate a bundled tiny LLaVA on its bundled dev sets (VQAv2, POPE, MMBench and, at 576
+tokens, the object lists) through the evaluation harness, with the full cache and with KV-cache methods at
+one image-KV budget; print one table. `--bench 576` (the default) is the benchmark at LLaVA-1.5's image
+geometry (576 image tokens); `--bench 64` the 64-token one the unit tests use.
 
 The setting is question-agnostic (`--compress image`): the image is prefilled and its KV compressed before
 the question is read, so every answer token is computed on the compressed cache. (With LLaVA's usual
@@ -19,12 +21,23 @@ from .modelfiles import load_model
 
 log = logging.getLogger(__name__)
 
-TASKS = ("vqav2", "pope", "mmbench")
-DEFAULT_METHODS = ("snapkv", "kvp", "oval")
-# the bundled model has only 64 image tokens: the usual 4 sinks + 16 recent tokens would pin a third of
-# them whatever the method; keep the 3 template tokens before the image as sinks and no recent window
+# per bundled benchmark: model and data names, default tasks and methods
+BENCHES = {
+    "576": {"model": "bundled576", "data": "bundled576", "tasks": ("vqav2", "pope", "mmbench", "objlist"),
+            "methods": ("snapkv", "expected_attention", "oval")},
+    "64": {"model": "bundled", "data": "bundled", "tasks": ("vqav2", "pope", "mmbench"), "methods": ("snapkv", "kvp", "oval")},
+}  # fmt: skip
+TASKS = BENCHES["576"]["tasks"]
+# the 64-token model: the usual 4 sinks + 16 recent tokens would pin a third of its image tokens whatever the
+# method; both benchmarks keep the 3 template tokens before the image as sinks and no recent window
 METHOD_OPTIONS = "sink_tokens=3,recent_tokens=0"
-LABELS = {"vqav2": "VQAv2 acc", "mmbench": "MMBench circular", "pope": "POPE F1", "textvqa": "TextVQA acc"}
+LABELS = {
+    "vqav2": "VQAv2 acc",
+    "mmbench": "MMBench circular",
+    "pope": "POPE F1",
+    "textvqa": "TextVQA acc",
+    "objlist": "object list F1",
+}
 
 
 def _fraction(text: str) -> float:
@@ -52,7 +65,17 @@ def _count(minimum: int):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods besides the full cache"
+        "--bench",
+        choices=tuple(BENCHES),
+        default="576",
+        help="which bundled benchmark: 576 image tokens (LLaVA-1.5's geometry) or the 64-token one",
+    )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated methods besides the full cache (default: "
+        + "; ".join(f"--bench {k}: {','.join(v['methods'])}" for k, v in BENCHES.items())
+        + ")",
     )
     parser.add_argument(
         "--budget",
@@ -61,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="image-KV budget: share kept (eviction) or read per step (retrieval)",
     )
     parser.add_argument(
-        "--tasks", default=",".join(TASKS), help="comma-separated tasks (vqav2, pope, mmbench)"
+        "--tasks",
+        default=None,
+        help="comma-separated tasks (default: vqav2,pope,mmbench and, at 576 tokens, objlist)",
     )
     parser.add_argument(
         "--limit", type=_count(0), default=0, help="first N questions of each dev set (0: all)"
@@ -75,13 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    tasks = [t for t in args.tasks.split(",") if t]
-    methods = ["full", *[m for m in args.methods.split(",") if m and m != "full"]]
+    bench = BENCHES[args.bench]
+    tasks = [t for t in (args.tasks or ",".join(bench["tasks"])).split(",") if t]
+    chosen = args.methods if args.methods is not None else ",".join(bench["methods"])
+    methods = ["full", *[m for m in chosen.split(",") if m and m != "full"]]
     for task in tasks:  # every task and method is checked before the model loads and the first runs
         get_task(task)
     for name in methods[1:]:
         check_method(f"{name}:{METHOD_OPTIONS}", args.budget)
-    model, processor = load_model("bundled")
+    model, processor = load_model(bench["model"])
     table: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
@@ -92,19 +119,19 @@ def run(args: argparse.Namespace) -> int:
                     model,
                     processor,
                     task,
-                    "bundled",
+                    bench["data"],
                     method="full" if full else f"{name}:{METHOD_OPTIONS}",
                     budget=None if full else args.budget,
                     limit=args.limit or None,
                     batch_size=args.batch_size,
                     compress=args.compress,
                     out_dir=root / task / name,
-                    model_name="bundled",
+                    model_name=bench["model"],
                 )
                 table.setdefault(name, {})[task] = float(res["primary"])
     print(format_table(table, tasks))
     print(
-        f"\n{time.perf_counter() - t0:.0f} s; bundled tiny LLaVA, "
+        f"\n{time.perf_counter() - t0:.0f} s; bundled tiny LLaVA ({args.bench} image tokens), "
         f"{f'first {args.limit} questions' if args.limit else 'all questions'} of each dev set; "
         f"methods keep (eviction) or read per step (retrieval) {args.budget:.0%} of the image KV; compress={args.compress}"
     )

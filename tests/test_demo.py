@@ -2,7 +2,8 @@ from mm_oval.cli import main
 
 
 def test_demo_prints_the_table_for_the_full_cache_and_a_method(capsys, tmp_path):
-    assert main(["demo", "--tasks", "vqav2", "--methods", "snapkv", "--limit", "5", "--out", str(tmp_path)]) == 0
+    args = ["demo", "--bench", "64", "--tasks", "vqav2", "--methods", "snapkv", "--limit", "5"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
     assert lines[0] == "| method | VQAv2 acc |"

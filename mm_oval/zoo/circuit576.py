@@ -12,25 +12,28 @@ norm, so RMSNorm scales all tokens alike (to within a few per cent). Content sco
 barely turn over a prompt (theta 1e10, head_dim 64: pair j turns by 1e10^(-j/32) rad per token; pairs
 13..31 turn < 1e-4 rad), positional scores the fast pairs 0..5.
 
-- Projector: saturated 0/1 units for the patch's colour and shape, their conjunction (32 units: "red
-  circle"), the centre's coarse region (6 + 6), the centre (cx, cy in [0, 1]; patches outside every object
-  have a centre far off the grid), its squared norm (piecewise linear), the patch's own position, and a
-  member flag.
+- Projector: saturated 0/1 units for the patch's colour and shape, their conjunction (32 ramps: "red
+  circle"), the centre's coarse region (6 + 6), the patch's own position (ox, oy in [0, 1]) and its
+  squared norm (piecewise linear), and a member flag. (The tower also reads out the object's centre; only
+  the regions use it.)
 - Layer 0: seven positional heads gather the words 1..7 tokens back (at a question's `?` they hold its key
-  words: see `GATHER`); the MLP marks a hint's closing `.` (a digit before it), forms the colour-shape
-  conjunction of a word pair (`red circle` in an answer list) and, at image tokens, tests whether the patch
-  holds its object's centre (the anchor).
+  words: see `GATHER`); at image tokens, the colours of the patches to the left and above (offsets 1 and
+  24 in the raster order of the image tokens). The MLP marks a hint's closing `.` (a digit before it) and
+  forms the colour-shape conjunction of a word pair (`red circle` in an answer list).
 - Layer 1: every token copies the keys and type flags of the latest `?` or marked hint `.` (a recency term
   makes the latest question win in a conversation); a second head sums the conjunctions named so far
-  (`LISTED`: which objects an answer list has named). The MLP forms the anchors' colours, the question's
-  conjunction and the output context (what kind of word comes next).
-- Layer 2: retrieval from the image, every head spread over the member patches of an object: colour/shape
-  matching with a sink (colour of shape, shape of colour, exists, the second object of a relation), the
-  first object of a relation, the region, the anchors of a colour (the sink's share 1/(n+1) counts them),
-  and the list head (leftmost or topmost object not yet named; the sink when none is left). The MLP turns
-  the count into a digit and compares the two objects' centres (left of, above).
-- Layer 3: the object nearest to the named one (score -|c - c0|^2 over centres, the named object excluded);
-  the MLP gates each head's evidence by the question's type.
+  (`LISTED`: which objects an answer list has named); two more gather the upper-right and upper-left
+  patches' colours. The MLP marks each object's first patch (a patch of its colour with none of that
+  colour to its left, upper left, above or upper right: one per object of every shape and size) and forms
+  the output context (what kind of word comes next).
+- Layer 2: retrieval from the image, spread over the member patches of an object: colour/shape matching
+  with a sink (colour of shape, shape of colour, exists, the second object of a relation; its value, the
+  mean own position, is the object's centre), the first object of a relation, the region, the first
+  patches of a colour (the sink's share 1/(n+1) counts them), and the list head (leftmost or topmost
+  patches of an object not yet named; the sink when none is left). The MLP turns the count into a digit
+  and compares the two objects' centres (left of, above).
+- Layer 3: the object nearest to the named one (score -|o - c0|^2 over patch positions, the named
+  object's colour set aside); the MLP gates each head's evidence by the question's type.
 - Layer 4: in a multiple-choice prompt, the option word that equals the answer, whose letter is copied.
 - LM head: each answer class (colour, shape, digit, yes/no, letter, `,`, `</s>`) gated by the context.
 """
@@ -46,13 +49,13 @@ from .scenes import GRID, REGION_PATCHES, REGIONS
 from .vocab import COLORS, SHAPES
 
 CONST = 100.0  # large: the fields a layer adds move a token's norm by < 0.2%
-HIDDEN = 384
+HIDDEN = 352  # the layout needs 349
 LAYERS = 5
 HEADS = 8
 KV_HEADS = 4
 HEAD_DIM = 64
 HALF = HEAD_DIM // 2
-INTERMEDIATE = 512
+INTERMEDIATE = 128  # the widest MLP uses 98 units
 ROPE_THETA = 1e10
 LETTERS = "ABCD"
 DIGITS = 7  # words 0..6: region numbers 1..6, counts 0..5
@@ -85,9 +88,9 @@ _FIELDS = (
     + KEY_FIELDS
     + [("P_COL", NC), ("L", 4), ("T_MMB", 1), ("T_START", 1), ("T_AFTER1", 1)]
     + [(t, 1) for t in TYPE_FLAGS]
-    + [("HINT", 1), ("W_CONJ", NC * NS), ("ANCH_S", 1)]
+    + [("HINT", 1), ("W_CONJ", NC * NS), ("N_L", NC), ("N_A", NC)]
     # layer 1
-    + [("LISTED", NC * NS), ("I_ACOL", NC), ("K_CONJ", NC * NS)]
+    + [("N_AR", NC), ("N_AL", NC), ("LISTED", NC * NS), ("I_ACOL", NC)]
     + [(c, 1) for c in CONTEXTS]
     # layer 2
     + [("E1_COL", NC), ("E1_SHP", NS), ("O2X", 1), ("O2Y", 1), ("SINK1", 1), ("O1X", 1), ("O1Y", 1)]
@@ -357,6 +360,16 @@ def set_projector(model, code: torch.Tensor, sharp: float = 30.0) -> None:
             w2[d, k] += w
             b2[d] -= 10.0 * w
 
+    def ramp(comb: dict[int, float], t: float, out: dict[int, float], s: float = 400.0) -> None:
+        """out += w * clip(sum c_i code_i - t, 0, 1), as two ReLUs (GELU(s z) / s)."""
+        wrow = sum(c * cw[i] for i, c in comb.items())
+        brow = sum(c * cb[i] for i, c in comb.items())
+        k1 = unit(s * wrow, s * (brow - t))
+        k2 = unit(s * wrow, s * (brow - t - 1.0))
+        for d, w in out.items():
+            w2[d, k1] += w / s
+            w2[d, k2] -= w / s
+
     def relu(i: int, t: float, out: dict[int, float], s: float = 400.0) -> None:
         k = unit(s * cw[i], s * (cb[i] - t))
         for d, w in out.items():
@@ -366,9 +379,11 @@ def set_projector(model, code: torch.Tensor, sharp: float = 30.0) -> None:
         step({c: 1.0}, 0.5, sharp, {f("I_COL", c): 1.0, f("I_MEM"): 1.0})
     for s_ in range(NS):
         step({NC + s_: 1.0}, 0.5, sharp, {f("I_SHP", s_): 1.0})
+    # the conjunction as a ramp, clip(colour + shape - 1, 0, 1): a patch whose shape read-out is unsure
+    # keeps part of each candidate's conjunction, so an object named in a list is excluded whole
     for c in range(NC):
         for s_ in range(NS):
-            step({c: 1.0, NC + s_: 1.0}, 1.5, sharp, {f("I_CONJ", conj(c, s_)): 1.0})
+            ramp({c: 1.0, NC + s_: 1.0}, 1.0, {f("I_CONJ", conj(c, s_)): 1.0})
     icx, icy, iox, ioy = NC + NS, NC + NS + 1, NC + NS + 2, NC + NS + 3
     # regions: the centre's row / column band; boundaries at multiples of 4 patches, centres at k + 0.5
     for axis, name in ((icy, "I_RROW"), (icx, "I_RCOL")):
@@ -383,9 +398,9 @@ def set_projector(model, code: torch.Tensor, sharp: float = 30.0) -> None:
     linear(icy, {f("I_CY"): 1.0})
     linear(iox, {f("I_OX"): 1.0})
     linear(ioy, {f("I_OY"): 1.0})
-    # |c|^2, piecewise linear through knots k / GRID (exact at the knots; centres sit at half-knots, error
-    # 1 / (4 GRID^2), the same for every patch)
-    for axis in (icx, icy):
+    # |own position|^2, piecewise linear through knots k / GRID (exact at the knots; patch centres sit at
+    # half-knots, error 1 / (4 GRID^2), the same for every patch)
+    for axis in (iox, ioy):
         for k in range(GRID + 1):
             slope_inc = (1.0 if k == 0 else 2.0) / GRID
             relu(axis, k / GRID, {f("I_R2"): slope_inc})
@@ -434,7 +449,7 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     # -- layer 0: positional gathering ------------------------------------------------------------
     a = Attn(L[0])
     amp = math.sqrt(260.0)
-    vfields = sorted({i for offs in GATHER.values() for src, _ in offs for i in _fields_of(src)})
+    vfields = sorted({i for offs in GATHER.values() for src, _ in offs for i in _fields_of(src)} | set(_fields_of("I_COL")))
     for kv in range(KV_HEADS):
         for j in FAST:
             a.krow(kv, j)[cst] = amp / C
@@ -445,6 +460,12 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
         for src, dst in routes:
             for si, di in zip(_fields_of(src), _fields_of(dst), strict=True):
                 a.route(h, vmap[si], di)
+    # image tokens: the colours of the patch to the left (offset 1) and above (offset GRID, head 7)
+    for si, di in zip(_fields_of("I_COL"), _fields_of("N_L"), strict=True):
+        a.route(0, vmap[si], di)
+    a.q[7 * HEAD_DIM : 8 * HEAD_DIM, cst] = _rope_query(GRID, amp / C)
+    for si, di in zip(_fields_of("I_COL"), _fields_of("N_A"), strict=True):
+        a.route(7, vmap[si], di)
 
     m = MLP(L[0])
     # a hint's closing "." (a digit just before it): IS_DOT + K_CLM > 1.5
@@ -453,11 +474,6 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     for c in range(NC):
         for s in range(NS):
             m.step({f("P_COL", c): 1.0, f("W_SHP", s): 1.0}, 1.5, {f("W_CONJ", conj(c, s)): 1.0}, 20.0)
-    # the anchor test at image tokens: |own - centre| < half a patch on both axes (4 half-tests)
-    hp = 0.5 / GRID
-    for own, cen in (("I_OX", "I_CX"), ("I_OY", "I_CY")):
-        m.step({f(own): 1.0, f(cen): -1.0}, -hp, {f("ANCH_S"): 0.25}, 8.0 / hp)
-        m.step({f(own): -1.0, f(cen): 1.0}, -hp, {f("ANCH_S"): 0.25}, 8.0 / hp)
 
     # -- layer 1: copy the latest question's keys; sum the named conjunctions -----------------------
     a = Attn(L[1])
@@ -479,12 +495,22 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     for si, di in zip(_fields_of("W_CONJ"), _fields_of("LISTED"), strict=True):
         a.route(2, vmap[si], di)
 
+    # image tokens: the colours of the upper-right (offset GRID - 1) and upper-left (GRID + 1) patches
+    for h, off in ((4, GRID - 1), (5, GRID + 1)):
+        for j in FAST:
+            a.krow(2, j)[cst] = amp / C
+        a.q[h * HEAD_DIM : (h + 1) * HEAD_DIM, cst] = _rope_query(off, amp / C)
+    vmap = a.values(2, _fields_of("I_COL"))
+    for h, dst in ((4, "N_AR"), (5, "N_AL")):
+        for si, di in zip(_fields_of("I_COL"), _fields_of(dst), strict=True):
+            a.route(h, vmap[si], di)
+
     m = MLP(L[1])
-    for c in range(NC):  # the anchors' colours: all four half-tests and the colour
-        m.step({f("ANCH_S"): 4.0, f("I_COL", c): 1.0}, 4.5, {f("I_ACOL", c): 1.0}, 20.0)
-    for c in range(NC):  # the question's conjunction (nearest to the {c} {s})
-        for s in range(NS):
-            m.step({f("K_COL", c): 1.0, f("K_SHP", s): 1.0}, 1.5, {f("K_CONJ", conj(c, s)): 1.0}, 20.0)
+    # an object's first patch (its anchor, one per object of every shape and size the scenes draw): a
+    # patch of colour c whose left, upper-left, upper and upper-right neighbours are not
+    nbrs = ("N_L", "N_A", "N_AR", "N_AL")
+    for c in range(NC):
+        m.step({f("I_COL", c): 1.0, **{f(n, c): -2.0 for n in nbrs}}, 0.5, {f("I_ACOL", c): 1.0}, 20.0)
     lst = {f("T_LR"): 1.0, f("T_TB"): 1.0}
     mmb = -2.0
     start = f("T_START")
@@ -518,16 +544,16 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     shp2 = [({f("K2_SHP", s): b / U}, {}) for s in range(NS)]
     sink2 = ({**{i: 0.75 * b / U for i in _fields_of("K2_COL") + _fields_of("K2_SHP")}}, {})
     a.content(1, [*col2, *shp2, sink2])  # the same key dimensions as head 0 (KV head 0)
-    vmap = a.values(0, [*_fields_of("I_COL"), *_fields_of("I_SHP"), f("I_CX"), f("I_CY"), bos])
+    vmap = a.values(0, [*_fields_of("I_COL"), *_fields_of("I_SHP"), f("I_OX"), f("I_OY"), bos])
     for si, di in zip(_fields_of("I_COL"), _fields_of("E1_COL"), strict=True):
         a.route(0, vmap[si], di)
     for si, di in zip(_fields_of("I_SHP"), _fields_of("E1_SHP"), strict=True):
         a.route(0, vmap[si], di)
-    a.route(0, vmap[f("I_CX")], f("O2X"))
-    a.route(0, vmap[f("I_CY")], f("O2Y"))
+    a.route(0, vmap[f("I_OX")], f("O2X"))
+    a.route(0, vmap[f("I_OY")], f("O2Y"))
     a.route(0, vmap[bos], f("SINK1"))
-    a.route(1, vmap[f("I_CX")], f("O1X"))
-    a.route(1, vmap[f("I_CY")], f("O1Y"))
+    a.route(1, vmap[f("I_OX")], f("O1X"))
+    a.route(1, vmap[f("I_OY")], f("O1Y"))
     # KV head 1: the region (head 2) and the anchors' colours (head 3)
     reg = [({f("K_ROW", r): b / U}, {f("I_RROW", r): 1.0 / U}) for r in range(REGIONS)]
     reg += [({f("K_CLM", r): b / U}, {f("I_RCOL", r): 1.0 / U}) for r in range(REGIONS)]
@@ -545,7 +571,7 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     # KV head 2, head 4: the list. score = 400 [member] - 288 cx (or cy) - 600 [named already]; sink 82
     lam, big, bmem, s0 = 288.0, 600.0, 400.0, 82.0
     terms = [({i: -big / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("LISTED"), _fields_of("I_CONJ"), strict=True)]
-    terms += [({f("T_LR"): -lam / U}, {f("I_CX"): 1.0 / U}), ({f("T_TB"): -lam / U}, {f("I_CY"): 1.0 / U})]
+    terms += [({f("T_LR"): -lam / U}, {f("I_OX"): 1.0 / U}), ({f("T_TB"): -lam / U}, {f("I_OY"): 1.0 / U})]
     terms += [({cst: bmem / C}, {f("I_MEM"): 1.0 / U}), ({cst: s0 / C}, {bos: 1.0 / U})]
     a.content(4, terms)
     vmap = a.values(2, [*_fields_of("I_COL"), *_fields_of("I_SHP"), bos])
@@ -574,9 +600,9 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     # -- layer 3: the nearest object ----------------------------------------------------------------
     a = Attn(L[3])
     lam_n, big_n = 1000.0, 3000.0
-    terms = [({f("O2X"): 2 * lam_n / U}, {f("I_CX"): 1.0 / U}), ({f("O2Y"): 2 * lam_n / U}, {f("I_CY"): 1.0 / U})]
+    terms = [({f("O2X"): 2 * lam_n / U}, {f("I_OX"): 1.0 / U}), ({f("O2Y"): 2 * lam_n / U}, {f("I_OY"): 1.0 / U})]
     terms += [({cst: -lam_n / C}, {f("I_R2"): 1.0 / U}), ({cst: 2500.0 / C}, {f("I_MEM"): 1.0 / U})]
-    terms += [({i: -big_n / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("K_CONJ"), _fields_of("I_CONJ"), strict=True)]
+    terms += [({i: -big_n / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("K_COL"), _fields_of("I_COL"), strict=True)]
     a.content(0, terms)
     vmap = a.values(0, _fields_of("I_COL"))
     for si, di in zip(_fields_of("I_COL"), _fields_of("EN_COL"), strict=True):
@@ -668,7 +694,8 @@ def image_embeddings(t: torch.Tensor) -> torch.Tensor:
         y = lo**2 + (x - lo) * (lo + hi)
         return torch.where(x > 1.0, 1.0 + (x - 1.0) * 2.0, y)
 
-    out[..., f("I_R2")] = sq(cx) + sq(cy)
-    out[..., f("I_OX")] = code[..., NC + NS + 2]
-    out[..., f("I_OY")] = code[..., NC + NS + 3]
+    ox, oy = code[..., NC + NS + 2], code[..., NC + NS + 3]
+    out[..., f("I_R2")] = sq(ox) + sq(oy)
+    out[..., f("I_OX")] = ox
+    out[..., f("I_OY")] = oy
     return out

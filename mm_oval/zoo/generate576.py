@@ -96,6 +96,7 @@ NEGATIVE_KINDS = ("random", "popular", "adversarial")  # POPE's negative samplin
 ORDERS = ("left to right", "top to bottom")
 MIN_GAP = 2.0  # patches between centres for left of / above
 NEAREST_RATIO = 1.3  # second nearest at least this many times as far as the nearest
+PATCH_RATIO = 1.5  # the same, measured to each object's nearest member patch
 DISTRACTOR_FRACTION = 1 / 3  # MMBench questions (other than hint lookups) with a distractor hint
 
 Patch = tuple[int, int]
@@ -125,14 +126,37 @@ def region_words(o: Obj) -> str:
 
 
 def nearest_other(scene: Scene, obj: Obj) -> Obj | None:
-    """The object nearest to `obj` (Euclidean distance between centres) when the second nearest is at least
-    NEAREST_RATIO times as far; None when the nearest is not that clear (or there is no second object)."""
+    """The object nearest to `obj` (Euclidean distance between centres), asked only when it is clear: the
+    second nearest is at least NEAREST_RATIO times as far; the object owning the member patch nearest to
+    `obj`'s centre is the same one, the second object's nearest patch at least PATCH_RATIO times as far;
+    and it has another colour than `obj` (a reader may set `obj`'s colour aside). None otherwise."""
     others = sorted(
         (math.dist((o.cx, o.cy), (obj.cx, obj.cy)), i) for i, o in enumerate(scene.objects) if o != obj
     )
     if len(others) < 2 or others[1][0] < NEAREST_RATIO * others[0][0]:
         return None
-    return scene.objects[others[0][1]]
+    near = scene.objects[others[0][1]]
+    if near.color == obj.color:
+        return None
+    by_patch = sorted(
+        (min(math.dist((c + 0.5, r + 0.5), (obj.cx, obj.cy)) for r, c in mem), i)
+        for i, (o, mem) in enumerate(zip(scene.objects, scene.members, strict=True))
+        if o != obj
+    )
+    if by_patch[0][1] != others[0][1] or by_patch[1][0] < PATCH_RATIO * by_patch[0][0]:
+        return None
+    return near
+
+
+def edges_agree(scene: Scene, axis: str) -> bool:
+    """Whether ordering the objects by their member patches' first column (axis "x") or row ("y") gives
+    the centres' order, with no two objects sharing that edge (what a list question asks for)."""
+    key = 1 if axis == "x" else 0
+    edges = [min(p[key] for p in mem) for mem in scene.members]
+    centres = [o.cx if axis == "x" else o.cy for o in scene.objects]
+    by_edge = sorted(range(len(edges)), key=lambda i: edges[i])
+    by_centre = sorted(range(len(centres)), key=lambda i: centres[i])
+    return len(set(edges)) == len(edges) and by_edge == by_centre
 
 
 def relation_pairs(scene: Scene, axis: str) -> list[tuple[Obj, Obj]]:
@@ -267,11 +291,14 @@ def q_hint_lookup(scene: Scene, rng: random.Random) -> Question | None:
     )
 
 
-def q_list(scene: Scene, rng: random.Random, order: str | None = None) -> ListQuestion:
-    """Every object of the scene in `order` (left to right / top to bottom; default: either)."""
+def q_list(scene: Scene, rng: random.Random, order: str | None = None) -> ListQuestion | None:
+    """Every object of the scene in `order` (left to right / top to bottom; default: either), by their
+    centres; None unless the objects' first member columns (rows) give the same order (`edges_agree`)."""
     order = order or rng.choice(ORDERS)
     if order not in ORDERS:
         raise ConfigError(f"list order must be one of {list(ORDERS)}, got {order!r}")
+    if not edges_agree(scene, "x" if order == ORDERS[0] else "y"):
+        return None
     objs = scene.left_to_right() if order == ORDERS[0] else scene.top_to_bottom()
     text = f"what are the objects from {order} ?"
     return ListQuestion(LIST, text, " , ".join(o.name for o in objs), _patches(scene, objs))
@@ -532,12 +559,12 @@ def generate_dev_sets576(out: str | Path, seed: int = 0, sizes: DevSizes | None 
 
     # the list task: both orders on each image, on new images
     list_lines = []
+    list_makers = [lambda sc, o=o: q_list(sc, rng, o) for o in ORDERS]
     for _ in range(sizes.list_images):
-        scene = make_scene(rng, sizes.min_objects, sizes.max_objects)
+        scene, list_qs = _scene_with(rng, sizes, list_makers)
         atomic_write_bytes(out / "images" / image_name(image_id), scene.png_bytes())
         scenes[image_name(image_id)] = scene_record(scene)
-        for k, order in enumerate(ORDERS):
-            q = q_list(scene, rng, order)
+        for k, (order, q) in enumerate(zip(ORDERS, list_qs, strict=True)):
             qid = image_id * 1000 + k
             items = list_items(q)
             list_lines.append(

@@ -3,8 +3,9 @@
 A scene holds up to 12 coloured shapes, each covering several patches (bounding boxes of 2x2 to 5x5
 patches), on a textured background (smooth dark noise, so no two empty patches look alike). Every object's
 centre sits on a patch centre, centres differ in column and in row from every other object's (so "left to
-right" and "top to bottom" orders are strict), and objects keep at least one patch of empty space between
-their bounding boxes (so a patch belongs to at most one object, and two objects never touch).
+right" and "top to bottom" orders are strict), objects keep at least one patch of empty space between
+their bounding boxes (so a patch belongs to at most one object, and two objects never touch), and none
+touches the first or last patch column.
 
 Questions speak of a coarse 6x6 grid of regions (4x4 patches each, rows and columns numbered 1..6, row 1
 at the top); an object is *in* the region that holds its centre.
@@ -201,7 +202,9 @@ class Scene:
 
 def _fits(o: Obj, placed: list[Obj]) -> bool:
     h = o.size / 2
-    if o.cx - h < 0 or o.cy - h < 0 or o.cx + h > GRID or o.cy + h > GRID:
+    # one empty patch column at the left and right borders: in the image tokens' raster order a patch's
+    # left / upper-left / upper-right neighbours never wrap round to an object at the other border
+    if o.cx - h < 1 or o.cy - h < 0 or o.cx + h > GRID - 1 or o.cy + h > GRID:
         return False
     for p in placed:
         if o.cx == p.cx or o.cy == p.cy:  # strict left-right and top-bottom orders
@@ -236,7 +239,7 @@ def make_scene(
         if (color, shape) in names or sum(o.color == color for o in placed) >= MAX_PER_COLOR:
             continue
         h = size / 2
-        cx = rng.randint(int(np.ceil(h - 0.5)), int(GRID - h - 0.5)) + 0.5
+        cx = rng.randint(int(np.ceil(h + 0.5)), int(GRID - h - 1.5)) + 0.5
         cy = rng.randint(int(np.ceil(h - 0.5)), int(GRID - h - 0.5)) + 0.5
         o = Obj(color, shape, size, cx, cy)
         if _fits(o, placed):

@@ -110,8 +110,10 @@ class Readout(nn.Module):
     def loss(self, feats: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, dict]:
         col, shp = self.color(feats), self.shape(feats)
         lc = F.cross_entropy(col.flatten(0, 1), t[..., 0].long().flatten())
-        ls = F.cross_entropy(shp.flatten(0, 1), t[..., 1].long().flatten())
         mem = t[..., 6] > 0
+        # shape: every patch (none off objects), and the member patches again (most patches are empty)
+        ls = F.cross_entropy(shp.flatten(0, 1), t[..., 1].long().flatten())
+        ls = ls + 4 * F.cross_entropy(shp[mem], t[..., 1].long()[mem])
         cen = self.centre(feats)
         lcen = ((cen - t[..., 2:4] / GRID) ** 2).sum(-1).mean() * 100
         lown = ((self.own(feats) - t[..., 4:6] / GRID) ** 2).sum(-1).mean() * 100
@@ -121,7 +123,7 @@ class Readout(nn.Module):
                 "shape_acc_members": float((shp.argmax(-1) == t[..., 1])[mem].float().mean()),
                 "centre_err_patches": float(((cen - t[..., 2:4] / GRID).abs() * GRID)[mem].mean()),
             }
-        return lc + 2 * ls + lcen + lown, stats
+        return lc + ls + lcen + lown, stats
 
 
 def scenes_for(seed: int, step: int, batch: int) -> list:
@@ -129,9 +131,16 @@ def scenes_for(seed: int, step: int, batch: int) -> list:
 
 
 def train_tower(
-    model, out: str | Path, steps: int = 3000, batch: int = 16, lr: float = 1e-3, seed: int = 0
+    model,
+    out: str | Path,
+    steps: int = 3000,
+    batch: int = 16,
+    lr: float = 1e-3,
+    seed: int = 0,
+    init_from: str | Path | None = None,
 ) -> dict:
-    """Train `model`'s vision tower in place (resumable); returns the last step's statistics."""
+    """Train `model`'s vision tower in place (resumable from OUT/vision_state.pt); returns the last step's
+    statistics. `init_from`: start a new schedule from another run's tower (weights only)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tower = model.model.vision_tower
@@ -148,6 +157,9 @@ def train_tower(
         opt.load_state_dict(st["opt"])
         start = int(st["step"])
         log.info("resumed the vision stage at step %d", start)
+    elif init_from is not None:
+        tower.load_state_dict(torch.load(init_from, weights_only=True)["tower"])
+        log.info("vision stage initialised from %s", init_from)
     else:
         init_position_code(tower)
     tower.train()
