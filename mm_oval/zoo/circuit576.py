@@ -453,6 +453,7 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     for kv in range(KV_HEADS):
         for j in FAST:
             a.krow(kv, j)[cst] = amp / C
+            a.krow(kv, j)[f("IS_BOS")] = -amp / U  # BOS has no positional key: it is only ever a sink
         vmap = a.values(kv, vfields, 1.0 / U)
     for off, routes in GATHER.items():
         h = off - 1
@@ -466,6 +467,10 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     a.q[7 * HEAD_DIM : 8 * HEAD_DIM, cst] = _rope_query(GRID, amp / C)
     for si, di in zip(_fields_of("I_COL"), _fields_of("N_A"), strict=True):
         a.route(7, vmap[si], di)
+    # a patch of the first row has no patch above: the BOS token (value 0) scores between the right
+    # offset's peak (195 logits) and the next best (175), so it wins only when the offset is missing
+    nbr_sink = 185.0
+    a.content(7, [({cst: nbr_sink / C}, {f("IS_BOS"): 1.0 / U})])
 
     m = MLP(L[0])
     # a hint's closing "." (a digit just before it): IS_DOT + K_CLM > 1.5
@@ -499,7 +504,10 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     for h, off in ((4, GRID - 1), (5, GRID + 1)):
         for j in FAST:
             a.krow(2, j)[cst] = amp / C
+            a.krow(2, j)[f("IS_BOS")] = -amp / U
         a.q[h * HEAD_DIM : (h + 1) * HEAD_DIM, cst] = _rope_query(off, amp / C)
+    a.content(4, [({cst: nbr_sink / C}, {f("IS_BOS"): 1.0 / U})])
+    a.content(5, [({cst: nbr_sink / C}, {})])  # the same key dimension (KV head 2)
     vmap = a.values(2, _fields_of("I_COL"))
     for h, dst in ((4, "N_AR"), (5, "N_AL")):
         for si, di in zip(_fields_of("I_COL"), _fields_of(dst), strict=True):
@@ -508,9 +516,11 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     m = MLP(L[1])
     # an object's first patch (its anchor, one per object of every shape and size the scenes draw): a
     # patch of colour c whose left, upper-left, upper and upper-right neighbours are not
+    # (weights -1 and threshold 0.5: a half-sure neighbour either is the first patch itself or lets this
+    # one be, so an object at the edge of the read-out is counted once, not zero times)
     nbrs = ("N_L", "N_A", "N_AR", "N_AL")
     for c in range(NC):
-        m.step({f("I_COL", c): 1.0, **{f(n, c): -2.0 for n in nbrs}}, 0.5, {f("I_ACOL", c): 1.0}, 20.0)
+        m.step({f("I_COL", c): 1.0, **{f(n, c): -1.0 for n in nbrs}}, 0.5, {f("I_ACOL", c): 1.0}, 20.0)
     lst = {f("T_LR"): 1.0, f("T_TB"): 1.0}
     mmb = -2.0
     start = f("T_START")
@@ -568,11 +578,13 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     for si, di in zip(_fields_of("I_COL"), _fields_of("E3_COL"), strict=True):
         a.route(2, vmap[si], di)
     a.route(3, vmap[bos], f("SINK4"))
-    # KV head 2, head 4: the list. score = 400 [member] - 288 cx (or cy) - 600 [named already]; sink 82
-    lam, big, bmem, s0 = 288.0, 600.0, 400.0, 82.0
+    # KV head 2, head 4: the list. score = 400 [a patch with a sure shape] - 288 ox (or oy) - 3000 [its
+    # colour and shape named already]; the sink 82. A patch whose shape read-out is unsure is no candidate,
+    # and keeps enough of its object's conjunction to be excluded with it
+    lam, big, bmem, s0 = 288.0, 3000.0, 400.0, 82.0
     terms = [({i: -big / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("LISTED"), _fields_of("I_CONJ"), strict=True)]
     terms += [({f("T_LR"): -lam / U}, {f("I_OX"): 1.0 / U}), ({f("T_TB"): -lam / U}, {f("I_OY"): 1.0 / U})]
-    terms += [({cst: bmem / C}, {f("I_MEM"): 1.0 / U}), ({cst: s0 / C}, {bos: 1.0 / U})]
+    terms += [({cst: bmem / C}, {i: 1.0 / U for i in _fields_of("I_SHP")}), ({cst: s0 / C}, {bos: 1.0 / U})]
     a.content(4, terms)
     vmap = a.values(2, [*_fields_of("I_COL"), *_fields_of("I_SHP"), bos])
     for si, di in zip(_fields_of("I_COL"), _fields_of("EL_COL"), strict=True):

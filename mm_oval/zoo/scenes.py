@@ -4,7 +4,8 @@ A scene holds up to 12 coloured shapes, each covering several patches (bounding 
 patches), on a textured background (smooth dark noise, so no two empty patches look alike). Every object's
 centre sits on a patch centre, centres differ in column and in row from every other object's (so "left to
 right" and "top to bottom" orders are strict), objects keep at least one patch of empty space between
-their bounding boxes (so a patch belongs to at most one object, and two objects never touch), and none
+their bounding boxes, two for objects of one colour (so a patch belongs to at most one object, two objects
+never touch, and no member patch of an object neighbours one of another object of its colour), and none
 touches the first or last patch column.
 
 Questions speak of a coarse 6x6 grid of regions (4x4 patches each, rows and columns numbered 1..6, row 1
@@ -209,7 +210,9 @@ def _fits(o: Obj, placed: list[Obj]) -> bool:
     for p in placed:
         if o.cx == p.cx or o.cy == p.cy:  # strict left-right and top-bottom orders
             return False
-        gap = 1.0  # one empty patch between bounding boxes
+        # one empty patch between bounding boxes, two between objects of one colour (their member patches,
+        # which reach into a half-covered patch, are then never neighbours)
+        gap = 2.0 if o.color == p.color else 1.0
         if abs(o.cx - p.cx) < h + p.size / 2 + gap and abs(o.cy - p.cy) < h + p.size / 2 + gap:
             return False
     return True

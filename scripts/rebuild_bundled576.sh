@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Build the 576-token tiny LLaVA, install it as the bundled one and remeasure what depends on it.
+#
+#   scripts/rebuild_bundled576.sh RUN_DIR          (RUN_DIR: where `mm-oval zoo train576` works; resumes)
+#
+# 1. `mm-oval zoo train576 --out RUN_DIR` (vision tower trained, projector and language model in closed
+#    form) and its export RUN_DIR/model copied to mm_oval/zoo/tiny_llava576;
+# 2. full-cache scores (VQAv2, MMBench, POPE, object lists) and the grounding check under runs/bundled576/;
+# 3. scripts/sweep_bundled576.sh: every method at 5-50 % of the image KV in the four settings.
+set -euo pipefail
+RUN=${1:?usage: scripts/rebuild_bundled576.sh RUN_DIR}
+BIN=${BIN:-.venv/bin}
+OUT=runs/bundled576
+mkdir -p "$OUT"
+"$BIN/mm-oval" zoo train576 --out "$RUN" ${TRAIN_ARGS:-}
+mkdir -p mm_oval/zoo/tiny_llava576
+cp "$RUN"/model/* mm_oval/zoo/tiny_llava576/
+cp "$RUN"/vision_log.jsonl "$RUN"/build_report.json mm_oval/zoo/tiny_llava576/
+for task in vqav2 mmbench pope objlist; do
+    "$BIN/mm-oval" eval --model bundled576 --task "$task" --data bundled576 --out "$OUT/full-$task" \
+        --batch-size 20 --no-progress
+done
+"$BIN/mm-oval" zoo check --model bundled576 --data bundled576 --json "$OUT/grounding.json" > /dev/null
+BIN="$BIN" OUT="$OUT" scripts/sweep_bundled576.sh
