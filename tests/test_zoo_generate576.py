@@ -140,7 +140,7 @@ def _check_record(scene: Scene, text: str, t: dict, hint: str = "") -> None:
     members = dict(zip(scene.objects, scene.members))
     if "nearest" in text:  # the clear-nearest rules a reader of patches can rely on
         named, near = deps
-        assert near.color != named.color, text
+        assert near.color != named.color and near.shape != named.shape, text
         gaps = sorted(
             (min(math.hypot(c + 0.5 - named.cx, r + 0.5 - named.cy) for r, c in members[o]), o.name)
             for o in scene.objects

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from ..files import atomic_write_text
 from . import circuit576
 from .model import TinyLlavaSizes, build_tiny_llava
 from .scenes import make_scene
-from .vision576 import patch_features, pixel_values, targets, train_tower
+from .vision576 import LossWeights, patch_features, pixel_values, targets, train_tower
 from .vocab import vocabulary576
 
 log = logging.getLogger(__name__)
@@ -63,16 +64,34 @@ def write_circuit(model, processor, code: torch.Tensor) -> None:
     circuit576.set_language_model(model, processor.tokenizer)
 
 
-def train576(out: str | Path, vision_steps: int = 4000, batch: int = 16, seed: int = 0) -> Path:
+def train576(
+    out: str | Path,
+    vision_steps: int = 3000,
+    batch: int = 12,
+    seed: int = 0,
+    lr: float = 1e-3,
+    init_from: str | Path | None = None,
+    weights: LossWeights | None = None,
+    stop_at: int | None = None,
+) -> Path:
+    """Train the tower (resumes; `init_from` starts a new schedule from another run's tower), fit the
+    code on fresh scenes, write the circuit, export to OUT/model."""
     out = Path(out)
     model, processor = build576(seed)
-    stats = train_tower(model, out, steps=vision_steps, batch=batch, seed=seed)
+    stats = train_tower(
+        model, out, steps=vision_steps, batch=batch, lr=lr, seed=seed, init_from=init_from, weights=weights,
+        stop_at=stop_at,
+    )  # fmt: skip
     model.eval()
     code, report = fit_code(model)
     log.info("code fit: %s", report)
     write_circuit(model, processor, code)
     path = out / "model"
-    model.config.mm_oval_training = {"recipe": "576", "vision_steps": vision_steps, "batch": batch, "seed": seed}
+    model.config.mm_oval_training = {
+        "recipe": "576", "vision_steps": vision_steps, "batch": batch, "seed": seed, "lr": lr,
+        "init_from": str(init_from) if init_from else None, "stop_at": stop_at,
+        "loss_weights": asdict(weights or LossWeights()),
+    }  # fmt: skip
     model.save_pretrained(path)
     processor.save_pretrained(path)
     atomic_write_text(out / "build_report.json", json.dumps({"vision": stats, "code_fit": report}, indent=1))

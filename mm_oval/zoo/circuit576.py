@@ -32,8 +32,8 @@ barely turn over a prompt (theta 1e10, head_dim 64: pair j turns by 1e10^(-j/32)
   patches of a colour (the sink's share 1/(n+1) counts them), and the list head (leftmost or topmost
   patches of an object not yet named; the sink when none is left). The MLP turns the count into a digit
   and compares the two objects' centres (left of, above).
-- Layer 3: the object nearest to the named one (score -|o - c0|^2 over patch positions, the named
-  object's colour set aside); the MLP gates each head's evidence by the question's type.
+- Layer 3: the object nearest to the named one (score -|o - c0|^2 over patch positions, patches of the
+  named object's colour or shape set aside); the MLP gates each head's evidence by the question's type.
 - Layer 4: in a multiple-choice prompt, the option word that equals the answer, whose letter is copied.
 - LM head: each answer class (colour, shape, digit, yes/no, letter, `,`, `</s>`) gated by the context.
 """
@@ -376,7 +376,10 @@ def set_projector(model, code: torch.Tensor, sharp: float = 30.0) -> None:
             w2[d, k] += w / s
 
     for c in range(NC):
-        step({c: 1.0}, 0.5, sharp, {f("I_COL", c): 1.0, f("I_MEM"): 1.0})
+        step({c: 1.0}, 0.5, sharp, {f("I_COL", c): 1.0})
+    # the member flag: one step on the summed colour read-outs, exactly 0 or 1 (a sum of the colour steps
+    # exceeds 1 where a second colour is half on, which the list and nearest heads would read as a bonus)
+    step({c: 1.0 for c in range(NC)}, 0.5, sharp, {f("I_MEM"): 1.0})
     for s_ in range(NS):
         step({NC + s_: 1.0}, 0.5, sharp, {f("I_SHP", s_): 1.0})
     # the conjunction as a ramp, clip(colour + shape - 1, 0, 1): a patch whose shape read-out is unsure
@@ -578,13 +581,13 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     for si, di in zip(_fields_of("I_COL"), _fields_of("E3_COL"), strict=True):
         a.route(2, vmap[si], di)
     a.route(3, vmap[bos], f("SINK4"))
-    # KV head 2, head 4: the list. score = 400 [a patch with a sure shape] - 288 ox (or oy) - 3000 [its
-    # colour and shape named already]; the sink 82. A patch whose shape read-out is unsure is no candidate,
-    # and keeps enough of its object's conjunction to be excluded with it
+    # KV head 2, head 4: the list. score = 400 [member] - 288 ox (or oy) - 3000 [its colour and shape named
+    # already]; the sink 82. A patch whose shape read-out is unsure keeps enough of its object's
+    # conjunction to be excluded with it
     lam, big, bmem, s0 = 288.0, 3000.0, 400.0, 82.0
     terms = [({i: -big / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("LISTED"), _fields_of("I_CONJ"), strict=True)]
     terms += [({f("T_LR"): -lam / U}, {f("I_OX"): 1.0 / U}), ({f("T_TB"): -lam / U}, {f("I_OY"): 1.0 / U})]
-    terms += [({cst: bmem / C}, {i: 1.0 / U for i in _fields_of("I_SHP")}), ({cst: s0 / C}, {bos: 1.0 / U})]
+    terms += [({cst: bmem / C}, {f("I_MEM"): 1.0 / U}), ({cst: s0 / C}, {bos: 1.0 / U})]
     a.content(4, terms)
     vmap = a.values(2, [*_fields_of("I_COL"), *_fields_of("I_SHP"), bos])
     for si, di in zip(_fields_of("I_COL"), _fields_of("EL_COL"), strict=True):
@@ -614,7 +617,10 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     lam_n, big_n = 1000.0, 3000.0
     terms = [({f("O2X"): 2 * lam_n / U}, {f("I_OX"): 1.0 / U}), ({f("O2Y"): 2 * lam_n / U}, {f("I_OY"): 1.0 / U})]
     terms += [({cst: -lam_n / C}, {f("I_R2"): 1.0 / U}), ({cst: 2500.0 / C}, {f("I_MEM"): 1.0 / U})]
+    # the named object set aside by its colour and by its shape (a patch whose read-out got one wrong is
+    # still set aside; the generator asks only when the answer differs from it in both)
     terms += [({i: -big_n / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("K_COL"), _fields_of("I_COL"), strict=True)]
+    terms += [({i: -big_n / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("K_SHP"), _fields_of("I_SHP"), strict=True)]
     a.content(0, terms)
     vmap = a.values(0, _fields_of("I_COL"))
     for si, di in zip(_fields_of("I_COL"), _fields_of("EN_COL"), strict=True):

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 from dataclasses import fields
+from pathlib import Path
 
 from ..errors import ConfigError
 from ..files import atomic_write_text
@@ -80,9 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "language model in closed form, export to OUT/model",
     )
     t5.add_argument("--out", required=True, help="run directory; the exported model goes to OUT/model")
-    t5.add_argument("--vision-steps", type=int, default=3000)
+    t5.add_argument("--vision-steps", type=int, default=3000, help="length of the cosine schedule")
     t5.add_argument("--batch", type=int, default=12)
     t5.add_argument("--seed", type=int, default=0)
+    t5.add_argument("--lr", type=float, default=1e-3)
+    t5.add_argument("--init-from", default=None, help="another run's vision_state.pt: a new schedule from its tower")
+    t5.add_argument("--stop-at", type=int, default=None, help="end after this step (rerun to resume)")
+    for name, default in (("shape", 1.0), ("member-shape", 4.0), ("centre", 100.0), ("own", 10000.0)):
+        t5.add_argument(f"--{name}-weight", type=float, default=default, help="vision loss weight (vision576.LossWeights)")
 
     c = sub.add_parser("check", help="grounding check of a checkpoint (its geometry read from the model)")
     c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled 64-token one)")
@@ -114,11 +120,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.zoo_command == "train576":
         from .build576 import train576
+        from .vision576 import LossWeights
 
         for name in ("vision_steps", "batch"):
             if getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        print(train576(args.out, vision_steps=args.vision_steps, batch=args.batch, seed=args.seed))
+        if args.init_from is not None and not Path(args.init_from).is_file():
+            raise ConfigError(f"--init-from {args.init_from}: no such file (give a run's vision_state.pt)")
+        weights = LossWeights(args.shape_weight, args.member_shape_weight, args.centre_weight, args.own_weight)
+        path = train576(
+            args.out, vision_steps=args.vision_steps, batch=args.batch, seed=args.seed, lr=args.lr,
+            init_from=args.init_from, weights=weights, stop_at=args.stop_at,
+        )  # fmt: skip
+        print(path)
         return 0
     if args.zoo_command == "check":
         report = grounding_report(model_path=args.model, data_dir=args.data)

@@ -129,14 +129,15 @@ def nearest_other(scene: Scene, obj: Obj) -> Obj | None:
     """The object nearest to `obj` (Euclidean distance between centres), asked only when it is clear: the
     second nearest is at least NEAREST_RATIO times as far; the object owning the member patch nearest to
     `obj`'s centre is the same one, the second object's nearest patch at least PATCH_RATIO times as far;
-    and it has another colour than `obj` (a reader may set `obj`'s colour aside). None otherwise."""
+    and it has another colour and another shape than `obj` (a reader may set aside what shares either).
+    None otherwise."""
     others = sorted(
         (math.dist((o.cx, o.cy), (obj.cx, obj.cy)), i) for i, o in enumerate(scene.objects) if o != obj
     )
     if len(others) < 2 or others[1][0] < NEAREST_RATIO * others[0][0]:
         return None
     near = scene.objects[others[0][1]]
-    if near.color == obj.color:
+    if near.color == obj.color or near.shape == obj.shape:
         return None
     by_patch = sorted(
         (min(math.dist((c + 0.5, r + 0.5), (obj.cx, obj.cy)) for r, c in mem), i)

@@ -17,6 +17,7 @@ import logging
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,19 @@ def targets(scenes) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+@dataclass(frozen=True)
+class LossWeights:
+    """The vision stage's loss: colour cross-entropy (every patch) + `shape` x shape cross-entropy (every
+    patch, "none" off objects) + `member_shape` x shape cross-entropy on member patches only (most
+    patches are empty) + `centre` x squared error of the object's centre + `own` x squared error of the
+    patch's own position (positions normalised by the grid)."""
+
+    shape: float = 1.0
+    member_shape: float = 4.0
+    centre: float = 100.0
+    own: float = 10000.0
+
+
 class Readout(nn.Module):
     """Linear read-outs of a patch feature (training only): colour (9), shape (5), centre (2), own position (2)."""
 
@@ -107,21 +121,25 @@ class Readout(nn.Module):
         self.centre = nn.Linear(dim, 2)
         self.own = nn.Linear(dim, 2)
 
-    def loss(self, feats: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def loss(
+        self, feats: torch.Tensor, t: torch.Tensor, w: LossWeights | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        w = w or LossWeights()
         col, shp = self.color(feats), self.shape(feats)
         lc = F.cross_entropy(col.flatten(0, 1), t[..., 0].long().flatten())
         mem = t[..., 6] > 0
-        # shape: every patch (none off objects), and the member patches again (most patches are empty)
-        ls = F.cross_entropy(shp.flatten(0, 1), t[..., 1].long().flatten())
-        ls = ls + 4 * F.cross_entropy(shp[mem], t[..., 1].long()[mem])
-        cen = self.centre(feats)
-        lcen = ((cen - t[..., 2:4] / GRID) ** 2).sum(-1).mean() * 100
-        lown = ((self.own(feats) - t[..., 4:6] / GRID) ** 2).sum(-1).mean() * 100
+        ls = w.shape * F.cross_entropy(shp.flatten(0, 1), t[..., 1].long().flatten())
+        if w.member_shape:
+            ls = ls + w.member_shape * F.cross_entropy(shp[mem], t[..., 1].long()[mem])
+        cen, own = self.centre(feats), self.own(feats)
+        lcen = ((cen - t[..., 2:4] / GRID) ** 2).sum(-1).mean() * w.centre
+        lown = ((own - t[..., 4:6] / GRID) ** 2).sum(-1).mean() * w.own
         with torch.no_grad():
             stats = {
                 "color_acc": float((col.argmax(-1) == t[..., 0]).float().mean()),
                 "shape_acc_members": float((shp.argmax(-1) == t[..., 1])[mem].float().mean()),
                 "centre_err_patches": float(((cen - t[..., 2:4] / GRID).abs() * GRID)[mem].mean()),
+                "own_err_patches": float(((own - t[..., 4:6] / GRID).abs() * GRID).mean()),
             }
         return lc + ls + lcen + lown, stats
 
@@ -138,9 +156,12 @@ def train_tower(
     lr: float = 1e-3,
     seed: int = 0,
     init_from: str | Path | None = None,
+    weights: LossWeights | None = None,
+    stop_at: int | None = None,
 ) -> dict:
     """Train `model`'s vision tower in place (resumable from OUT/vision_state.pt); returns the last step's
-    statistics. `init_from`: start a new schedule from another run's tower (weights only)."""
+    statistics. `init_from`: start a new schedule from another run's tower (weights only); `stop_at`: end
+    after that step (the schedule is still the `steps`-long one; a later call resumes)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tower = model.model.vision_tower
@@ -165,23 +186,24 @@ def train_tower(
     tower.train()
     stats: dict = {}
     t0 = time.time()
-    for step in range(start, steps):
+    end = min(steps, stop_at) if stop_at else steps
+    for step in range(start, end):
         warm = min(1.0, (step + 1) / 100)
         for g in opt.param_groups:
             g["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         sc = scenes_for(seed, step, batch)
         pix = pixel_values([s.render() for s in sc])
-        loss, stats = head.loss(patch_features(model, pix), targets(sc))
+        loss, stats = head.loss(patch_features(model, pix), targets(sc), weights)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if step % 50 == 0 or step == steps - 1:
+        if step % 50 == 0 or step == end - 1:
             rec = {"stage": "vision", "step": step, "loss": float(loss), **stats, "elapsed_s": time.time() - t0}
             log.info("%s", rec)
             with open(out / "vision_log.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        if (step + 1) % 250 == 0 or step == steps - 1:
+        if (step + 1) % 250 == 0 or step == end - 1:
             tmp = state_path.with_suffix(".tmp")
             torch.save(
                 {"tower": tower.state_dict(), "head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1},
