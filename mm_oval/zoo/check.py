@@ -237,7 +237,12 @@ def grounding_report(model_path: str | Path | None = None, data_dir: str | Path 
         model_path = Path(model_path) if model_path else bundled_model_path()
         model, processor = load_model(model_path, "cpu", attn_implementation="eager")
     grid = model_grid(model)
-    data_dir = Path(data_dir) if data_dir else bundled_data_for_grid(grid)
+    if data_dir:
+        from ..eval.tasks import resolve_data  # `bundled` / `bundled576` name the bundled dev sets
+
+        data_dir = resolve_data(data_dir)
+    else:
+        data_dir = bundled_data_for_grid(grid)
     items = load_vqa_items(data_dir, limit, grid=grid)
     preds, attn = first_token_answers(model, processor, items, data_dir, want_attention=True)
     blank_preds, _ = first_token_answers(model, processor, items, data_dir, blank=True)

@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t5.add_argument("--lr", type=float, default=1e-3)
     t5.add_argument("--init-from", default=None, help="another run's vision_state.pt: a new schedule from its tower")
     t5.add_argument("--stop-at", type=int, default=None, help="end after this step (rerun to resume)")
-    for name, default in (("shape", 1.0), ("member-shape", 4.0), ("centre", 100.0), ("own", 10000.0)):
+    for name, default in (("shape", 1.0), ("member-shape", 4.0), ("centre", 100.0), ("own", 100.0)):
         t5.add_argument(f"--{name}-weight", type=float, default=default, help="vision loss weight (vision576.LossWeights)")
 
     c = sub.add_parser("check", help="grounding check of a checkpoint (its geometry read from the model)")

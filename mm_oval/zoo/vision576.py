@@ -108,7 +108,7 @@ class LossWeights:
     shape: float = 1.0
     member_shape: float = 4.0
     centre: float = 100.0
-    own: float = 10000.0
+    own: float = 100.0
 
 
 class Readout(nn.Module):
