@@ -59,8 +59,13 @@ def fit_code(model, scenes: int = 96, seed: int = 7, batch: int = 16) -> tuple[t
     return circuit576.projector_code(torch.cat(feats), torch.cat(ts))
 
 
-def write_circuit(model, processor, code: torch.Tensor) -> None:
-    circuit576.set_projector(model, code)
+def colour_logits(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tower's trained colour read-out (weight, bias) from a vision_state.pt state."""
+    return state["head"]["color.weight"], state["head"]["color.bias"]
+
+
+def write_circuit(model, processor, code: torch.Tensor, logits=None) -> None:
+    circuit576.set_projector(model, code, colour_logits=logits)
     circuit576.set_language_model(model, processor.tokenizer)
 
 
@@ -85,7 +90,8 @@ def train576(
     model.eval()
     code, report = fit_code(model)
     log.info("code fit: %s", report)
-    write_circuit(model, processor, code)
+    state = torch.load(out / "vision_state.pt", weights_only=True)
+    write_circuit(model, processor, code, colour_logits(state))
     path = out / "model"
     model.config.mm_oval_training = {
         "recipe": "576", "vision_steps": vision_steps, "batch": batch, "seed": seed, "lr": lr,

@@ -9,21 +9,23 @@ sit. The result is a plain `LlavaForConditionalGeneration` (config checked by `c
 
 The residual stream is laid out in named fields (`LAYOUT`); a large constant field dominates every token's
 norm, so RMSNorm scales all tokens alike (to within a few per cent). Content scores use the RoPE pairs that
-barely turn over a prompt (theta 1e10, head_dim 64: pair j turns by 1e10^(-j/32) rad per token; pairs
-13..31 turn < 1e-4 rad), positional scores the fast pairs 0..5.
+barely turn over a prompt (theta 1e16, head_dim 64: pair j turns by 10^(-j/2) rad per token; pairs 13..31
+turn < 3e-4 rad over 1000 tokens, so the two halves of a pair, which carry different terms, do not mix),
+positional scores the fast pairs 0..5.
 
-- Projector: saturated 0/1 units for the patch's colour and shape, their conjunction (32 ramps: "red
-  circle"), the centre's coarse region (6 + 6), the patch's own position (ox, oy in [0, 1]) and its
-  squared norm (piecewise linear), and a member flag. (The tower also reads out the object's centre; only
+- Projector: the colour as pairwise votes between the tower's own colour logits (8 votes: the argmax),
+  saturated 0/1 units for the shape, the centre's coarse region (6 + 6), the patch's own position (ox, oy
+  in [0, 1]) and its squared norm (piecewise linear). (The tower also reads out the object's centre; only
   the regions use it.)
 - Layer 0: seven positional heads gather the words 1..7 tokens back (at a question's `?` they hold its key
-  words: see `GATHER`); at image tokens, the colours of the patches to the left and above (offsets 1 and
-  24 in the raster order of the image tokens). The MLP marks a hint's closing `.` (a digit before it) and
-  forms the colour-shape conjunction of a word pair (`red circle` in an answer list).
+  words: see `GATHER`). The MLP gives image tokens their colour (all 8 votes) and member flag, marks a
+  hint's closing `.` (a digit before it) and forms the colour-shape conjunction of a word pair (`red
+  circle` in an answer list).
 - Layer 1: every token copies the keys and type flags of the latest `?` or marked hint `.` (a recency term
   makes the latest question win in a conversation); a second head sums the conjunctions named so far
-  (`LISTED`: which objects an answer list has named); two more gather the upper-right and upper-left
-  patches' colours. The MLP marks each object's first patch (a patch of its colour with none of that
+  (`LISTED`: which objects an answer list has named); four more gather the colours of the patches to the
+  left, upper right, above and upper left (offsets 1, 23, 24, 25 in the raster order of the image
+  tokens). The MLP forms each image token's colour-shape conjunction, marks each object's first patch (a patch of its colour with none of that
   colour to its left, upper left, above or upper right: one per object of every shape and size) and forms
   the output context (what kind of word comes next).
 - Layer 2: retrieval from the image, spread over the member patches of an object: colour/shape matching
@@ -48,15 +50,15 @@ from ..errors import ModelError
 from .scenes import GRID, REGION_PATCHES, REGIONS
 from .vocab import COLORS, SHAPES
 
-CONST = 100.0  # large: the fields a layer adds move a token's norm by < 0.2%
-HIDDEN = 352  # the layout needs 349
+CONST = 300.0  # large: the fields a layer adds move a token's norm by < 0.01%
+HIDDEN = 360  # the layout needs 357
 LAYERS = 5
 HEADS = 8
 KV_HEADS = 4
 HEAD_DIM = 64
 HALF = HEAD_DIM // 2
 INTERMEDIATE = 128  # the widest MLP uses 98 units
-ROPE_THETA = 1e10
+ROPE_THETA = 1e16  # content pairs 13..31 turn < 3e-4 rad over 1000 tokens: no cross-talk between a pair's halves
 LETTERS = "ABCD"
 DIGITS = 7  # words 0..6: region numbers 1..6, counts 0..5
 COUNT_MAX = 5
@@ -82,7 +84,7 @@ _FIELDS = (
     [("CONST", 1), ("W_COL", NC), ("W_SHP", NS), ("W_DIG", DIGITS), ("W_LET", 4), ("W_YES", 1), ("W_NO", 1)]
     + [(m, 1) for m in MARKERS]
     # image tokens (the projector)
-    + [("I_COL", NC), ("I_SHP", NS), ("I_CONJ", NC * NS), ("I_RROW", REGIONS), ("I_RCOL", REGIONS)]
+    + [("I_CW", NC), ("I_COL", NC), ("I_SHP", NS), ("I_CONJ", NC * NS), ("I_RROW", REGIONS), ("I_RCOL", REGIONS)]
     + [("I_CX", 1), ("I_CY", 1), ("I_R2", 1), ("I_OX", 1), ("I_OY", 1), ("I_MEM", 1)]
     # layer 0
     + KEY_FIELDS
@@ -326,8 +328,10 @@ def projector_code(feats: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 @torch.no_grad()
-def set_projector(model, code: torch.Tensor, sharp: float = 30.0) -> None:
-    """linear_1: GELU units over the tower's code; linear_2: the image fields (see the module docstring)."""
+def set_projector(model, code: torch.Tensor, sharp: float = 30.0, colour_logits=None) -> None:
+    """linear_1: GELU units over the tower's code; linear_2: the image fields (see the module docstring).
+    `colour_logits`: (weight (NC + 1, D), bias (NC + 1,)) of the tower's trained colour read-out (none
+    first), whose argmax the image tokens then carry; without it, the least-squares code's colours."""
     proj = model.model.multi_modal_projector
     w1, b1, w2, b2 = proj.linear_1.weight, proj.linear_1.bias, proj.linear_2.weight, proj.linear_2.bias
     for t in (w1, b1, w2, b2):
@@ -360,33 +364,29 @@ def set_projector(model, code: torch.Tensor, sharp: float = 30.0) -> None:
             w2[d, k] += w
             b2[d] -= 10.0 * w
 
-    def ramp(comb: dict[int, float], t: float, out: dict[int, float], s: float = 400.0) -> None:
-        """out += w * clip(sum c_i code_i - t, 0, 1), as two ReLUs (GELU(s z) / s)."""
-        wrow = sum(c * cw[i] for i, c in comb.items())
-        brow = sum(c * cb[i] for i, c in comb.items())
-        k1 = unit(s * wrow, s * (brow - t))
-        k2 = unit(s * wrow, s * (brow - t - 1.0))
-        for d, w in out.items():
-            w2[d, k1] += w / s
-            w2[d, k2] -= w / s
-
     def relu(i: int, t: float, out: dict[int, float], s: float = 400.0) -> None:
         k = unit(s * cw[i], s * (cb[i] - t))
         for d, w in out.items():
             w2[d, k] += w / s
 
-    for c in range(NC):
-        step({c: 1.0}, 0.5, sharp, {f("I_COL", c): 1.0})
-    # the member flag: one step on the summed colour read-outs, exactly 0 or 1 (a sum of the colour steps
-    # exceeds 1 where a second colour is half on, which the list and nearest heads would read as a bonus)
-    step({c: 1.0 for c in range(NC)}, 0.5, sharp, {f("I_MEM"): 1.0})
+    # the colour: the tower's own colour logits (its trained read-out, none first), as pairwise votes:
+    # I_CW_c = #{k != c: logit_c > logit_k} / 8, 1 for the argmax only (layer 0's MLP thresholds it)
+    if colour_logits is None:  # no read-out given: the least-squares code, 8 votes above 0.5
+        for c in range(NC):
+            step({c: 1.0}, 0.5, sharp, {f("I_CW", c): 1.0})
+    else:
+        lw, lb = colour_logits[0].double(), colour_logits[1].double()
+        for c in range(NC):
+            for k in range(NC + 1):
+                if k == c + 1:
+                    continue
+                wrow, brow = lw[c + 1] - lw[k], lb[c + 1] - lb[k]
+                k1 = unit(40.0 * wrow, 40.0 * brow + 0.5)
+                k2 = unit(40.0 * wrow, 40.0 * brow - 0.5)
+                w2[f("I_CW", c), k1] += 1.0 / NC
+                w2[f("I_CW", c), k2] -= 1.0 / NC
     for s_ in range(NS):
         step({NC + s_: 1.0}, 0.5, sharp, {f("I_SHP", s_): 1.0})
-    # the conjunction as a ramp, clip(colour + shape - 1, 0, 1): a patch whose shape read-out is unsure
-    # keeps part of each candidate's conjunction, so an object named in a list is excluded whole
-    for c in range(NC):
-        for s_ in range(NS):
-            ramp({c: 1.0, NC + s_: 1.0}, 1.0, {f("I_CONJ", conj(c, s_)): 1.0})
     icx, icy, iox, ioy = NC + NS, NC + NS + 1, NC + NS + 2, NC + NS + 3
     # regions: the centre's row / column band; boundaries at multiples of 4 patches, centres at k + 0.5
     for axis, name in ((icy, "I_RROW"), (icx, "I_RCOL")):
@@ -452,7 +452,7 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     # -- layer 0: positional gathering ------------------------------------------------------------
     a = Attn(L[0])
     amp = math.sqrt(260.0)
-    vfields = sorted({i for offs in GATHER.values() for src, _ in offs for i in _fields_of(src)} | set(_fields_of("I_COL")))
+    vfields = sorted({i for offs in GATHER.values() for src, _ in offs for i in _fields_of(src)})
     for kv in range(KV_HEADS):
         for j in FAST:
             a.krow(kv, j)[cst] = amp / C
@@ -464,18 +464,11 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
         for src, dst in routes:
             for si, di in zip(_fields_of(src), _fields_of(dst), strict=True):
                 a.route(h, vmap[si], di)
-    # image tokens: the colours of the patch to the left (offset 1) and above (offset GRID, head 7)
-    for si, di in zip(_fields_of("I_COL"), _fields_of("N_L"), strict=True):
-        a.route(0, vmap[si], di)
-    a.q[7 * HEAD_DIM : 8 * HEAD_DIM, cst] = _rope_query(GRID, amp / C)
-    for si, di in zip(_fields_of("I_COL"), _fields_of("N_A"), strict=True):
-        a.route(7, vmap[si], di)
-    # a patch of the first row has no patch above: the BOS token (value 0) scores between the right
-    # offset's peak (195 logits) and the next best (175), so it wins only when the offset is missing
-    nbr_sink = 185.0
-    a.content(7, [({cst: nbr_sink / C}, {f("IS_BOS"): 1.0 / U})])
 
     m = MLP(L[0])
+    # image tokens: the colour is the argmax (all 8 votes); a member has one
+    for c in range(NC):
+        m.step({f("I_CW", c): 1.0}, 1.0 - 0.5 / NC, {f("I_COL", c): 1.0, f("I_MEM"): 1.0}, 20.0 * NC)
     # a hint's closing "." (a digit just before it): IS_DOT + K_CLM > 1.5
     m.step({f("IS_DOT"): 1.0, **{i: 1.0 for i in _fields_of("K_CLM")}}, 1.5, {f("HINT"): 1.0}, 20.0)
     # the conjunction of a colour word and the shape word after it
@@ -503,18 +496,24 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     for si, di in zip(_fields_of("W_CONJ"), _fields_of("LISTED"), strict=True):
         a.route(2, vmap[si], di)
 
-    # image tokens: the colours of the upper-right (offset GRID - 1) and upper-left (GRID + 1) patches
-    for h, off in ((4, GRID - 1), (5, GRID + 1)):
+    # image tokens: the colours of the patches to the left (offset 1), upper right (GRID - 1), above (GRID)
+    # and upper left (GRID + 1) in the raster order of the image tokens. A patch of the first row has no
+    # patch above: the BOS token (value 0, no positional key) scores between the right offset's peak (195
+    # logits) and the next best (175), so it wins only when the offset is missing
+    nbr_sink = 185.0
+    for kv, heads in ((2, ((4, GRID - 1, "N_AR"), (5, GRID + 1, "N_AL"))), (3, ((6, 1, "N_L"), (7, GRID, "N_A")))):
         for j in FAST:
-            a.krow(2, j)[cst] = amp / C
-            a.krow(2, j)[f("IS_BOS")] = -amp / U
-        a.q[h * HEAD_DIM : (h + 1) * HEAD_DIM, cst] = _rope_query(off, amp / C)
-    a.content(4, [({cst: nbr_sink / C}, {f("IS_BOS"): 1.0 / U})])
-    a.content(5, [({cst: nbr_sink / C}, {})])  # the same key dimension (KV head 2)
-    vmap = a.values(2, _fields_of("I_COL"))
-    for h, dst in ((4, "N_AR"), (5, "N_AL")):
-        for si, di in zip(_fields_of("I_COL"), _fields_of(dst), strict=True):
-            a.route(h, vmap[si], di)
+            a.krow(kv, j)[cst] = amp / C
+            a.krow(kv, j)[f("IS_BOS")] = -amp / U
+        first = True
+        for h, off, _ in heads:
+            a.q[h * HEAD_DIM : (h + 1) * HEAD_DIM, cst] = _rope_query(off, amp / C)
+            a.content(h, [({cst: nbr_sink / C}, {f("IS_BOS"): 1.0 / U} if first else {})])
+            first = False
+        vmap = a.values(kv, _fields_of("I_COL"))
+        for h, _, dst in heads:
+            for si, di in zip(_fields_of("I_COL"), _fields_of(dst), strict=True):
+                a.route(h, vmap[si], di)
 
     m = MLP(L[1])
     # an object's first patch (its anchor, one per object of every shape and size the scenes draw): a
@@ -524,6 +523,10 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     nbrs = ("N_L", "N_A", "N_AR", "N_AL")
     for c in range(NC):
         m.step({f("I_COL", c): 1.0, **{f(n, c): -1.0 for n in nbrs}}, 0.5, {f("I_ACOL", c): 1.0}, 20.0)
+    # image tokens: the colour-shape conjunction (the list head's key)
+    for c in range(NC):
+        for s in range(NS):
+            m.step({f("I_COL", c): 1.0, f("I_SHP", s): 1.0}, 1.5, {f("I_CONJ", conj(c, s)): 1.0}, 20.0)
     lst = {f("T_LR"): 1.0, f("T_TB"): 1.0}
     mmb = -2.0
     start = f("T_START")
@@ -694,10 +697,8 @@ def image_embeddings(t: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(*t.shape[:-1], HIDDEN)
     out[..., f("CONST")] = CONST
     col, shp = code[..., :NC], code[..., NC : NC + NS]
-    out[..., LAYOUT["I_COL"]] = col
+    out[..., LAYOUT["I_CW"]] = col  # the projector's votes: all for the colour, none for the others
     out[..., LAYOUT["I_SHP"]] = shp
-    out[..., f("I_MEM")] = col.sum(-1)
-    out[..., LAYOUT["I_CONJ"]] = (col[..., :, None] * shp[..., None, :]).flatten(-2)
     cx, cy = code[..., NC + NS], code[..., NC + NS + 1]
     for r in range(REGIONS):
         lo, hi = r * REGION_PATCHES / GRID, (r + 1) * REGION_PATCHES / GRID
