@@ -353,6 +353,73 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+# ------------------------------------------------------------------------------------------------
+# the files' records, shared with the 576-token generator
+
+
+def vqa_records(qid: int, image_id: int, q: Question, answer_type: str, rng: random.Random) -> tuple[dict, dict]:
+    """The VQAv2 question and annotation records of `q` (10 human answers drawn from `rng`)."""
+    answers = human_answers(q.answer, q.qtype, rng)
+    question = {"question_id": qid, "image_id": image_id, "question": q.text}
+    annotation = {
+        "question_id": qid,
+        "image_id": image_id,
+        "question_type": q.qtype,
+        "answer_type": answer_type,
+        "answers": [
+            {
+                "answer": a,
+                "answer_confidence": rng.choice(["yes", "yes", "yes", "maybe"]),
+                "answer_id": i + 1,
+            }
+            for i, a in enumerate(answers)
+        ],
+        "multiple_choice_answer": q.answer,
+    }
+    return question, annotation
+
+
+def write_vqa_files(out: Path, info: dict, data_type: str, questions: list[dict], annotations: list[dict]) -> None:
+    atomic_write_text(
+        out / "vqav2_dev_questions.json",
+        json.dumps(
+            {
+                "info": info,
+                "task_type": "Open-Ended",
+                "data_type": data_type,
+                "data_subtype": "dev",
+                "questions": questions,
+            }
+        ),
+    )
+    atomic_write_text(
+        out / "vqav2_dev_annotations.json",
+        json.dumps({"info": info, "data_type": data_type, "data_subtype": "dev", "annotations": annotations}),
+    )
+
+
+def pope_line(qid: int, image: str, q: Question, kind: str) -> str:
+    return json.dumps({"question_id": qid, "image": image, "text": q.text, "label": q.answer, "category": kind})
+
+
+def mmbench_rows(base: int, mq: Question, b64: str, category: str, l2: str, source: str = "synth") -> list[list]:
+    """The TSV rows of one multiple-choice question: itself and its circular rotations."""
+    rows = []
+    for k in range(len(mq.options)):
+        r = rotate(mq, k)
+        opts = r.options + [""] * (4 - len(r.options))
+        rows.append([base + k * CIRCULAR_OFFSET, r.text, r.hint, *opts, r.answer, category, b64, source, l2, "", "dev"])
+    return rows
+
+
+def write_mmbench_tsv(out: Path, rows: list[list]) -> None:
+    buf = io.StringIO()
+    writer = csv.writer(buf, delimiter="\t", lineterminator="\n", quoting=csv.QUOTE_MINIMAL)
+    writer.writerow(MMB_COLUMNS)
+    writer.writerows(rows)
+    atomic_write_text(out / "mmbench_dev.tsv", buf.getvalue())
+
+
 @dataclass
 class DevSizes:
     vqa_images: int = 60  # x 5 question types = 300 VQA questions
@@ -403,44 +470,13 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
         atomic_write_bytes(out / "images" / image_name(image_id), png_bytes(scene.render()))
         for k, q in enumerate(qs):
             qid = image_id * 1000 + k
-            questions.append({"question_id": qid, "image_id": image_id, "question": q.text})
-            answers = human_answers(q.answer, q.qtype, rng)
-            annotations.append(
-                {
-                    "question_id": qid,
-                    "image_id": image_id,
-                    "question_type": q.qtype,
-                    "answer_type": ANSWER_TYPE[q.qtype],
-                    "answers": [
-                        {
-                            "answer": a,
-                            "answer_confidence": rng.choice(["yes", "yes", "yes", "maybe"]),
-                            "answer_id": i + 1,
-                        }
-                        for i, a in enumerate(answers)
-                    ],
-                    "multiple_choice_answer": q.answer,
-                }
-            )
+            question, annotation = vqa_records(qid, image_id, q, ANSWER_TYPE[q.qtype], rng)
+            questions.append(question)
+            annotations.append(annotation)
             targets["vqav2"][str(qid)] = {"type": q.qtype, "answer": q.answer, "targets": q.targets}
         image_id += 1
     info = {"description": "mm-oval synthetic VQAv2-format dev set", "version": "1.0", "seed": seed}
-    atomic_write_text(
-        out / "vqav2_dev_questions.json",
-        json.dumps(
-            {
-                "info": info,
-                "task_type": "Open-Ended",
-                "data_type": "synth",
-                "data_subtype": "dev",
-                "questions": questions,
-            }
-        ),
-    )
-    atomic_write_text(
-        out / "vqav2_dev_annotations.json",
-        json.dumps({"info": info, "data_type": "synth", "data_subtype": "dev", "annotations": annotations}),
-    )
+    write_vqa_files(out, info, "synth", questions, annotations)
 
     # POPE: 3 yes and 3 no (random, popular, adversarial negatives) per image, on new images
     pope_lines = []
@@ -471,17 +507,7 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
         items += [(q, kind) for q, kind in zip(negs, ("random", "popular", "adversarial"))]
         rng.shuffle(items)
         for q, kind in items:
-            pope_lines.append(
-                json.dumps(
-                    {
-                        "question_id": qid,
-                        "image": image_name(image_id),
-                        "text": q.text,
-                        "label": q.answer,
-                        "category": kind,
-                    }
-                )
-            )
+            pope_lines.append(pope_line(qid, image_name(image_id), q, kind))
             targets["pope"][str(qid)] = {
                 "type": EXISTS,
                 "answer": q.answer,
@@ -501,23 +527,14 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
         scene, (q,) = _scene_with(rng, sizes, [qtype])
         mq = to_mmbench(scene, q, rng, hint_mode="distractor" if rng.random() < 0.3 else "none")
         b64 = base64.b64encode(png_bytes(scene.render())).decode("ascii")
-        category, l2 = MMB_CATEGORY[qtype]
-        for k in range(len(mq.options)):
-            r = rotate(mq, k)
-            index = base + k * CIRCULAR_OFFSET
-            opts = r.options + [""] * (4 - len(r.options))
-            rows.append([index, r.text, r.hint, *opts, r.answer, category, b64, "synth", l2, "", "dev"])
+        rows += mmbench_rows(base, mq, b64, *MMB_CATEGORY[qtype])
         targets["mmbench"][str(base)] = {
             "type": qtype,
             "answer": mq.options[LETTERS.index(mq.answer)],
             "targets": q.targets,
             "hint": "needed" if qtype == HINT_LOOKUP else ("distractor" if mq.hint else "none"),
         }
-    buf = io.StringIO()
-    writer = csv.writer(buf, delimiter="\t", lineterminator="\n", quoting=csv.QUOTE_MINIMAL)
-    writer.writerow(MMB_COLUMNS)
-    writer.writerows(rows)
-    atomic_write_text(out / "mmbench_dev.tsv", buf.getvalue())
+    write_mmbench_tsv(out, rows)
 
     meta = {
         "seed": seed,

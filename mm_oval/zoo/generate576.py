@@ -19,8 +19,6 @@ Everything is a pure function of the seed: `generate_dev_sets576(out, seed)` wri
 from __future__ import annotations
 
 import base64
-import csv
-import io
 import json
 import logging
 import math
@@ -35,7 +33,6 @@ from ..errors import ConfigError
 from ..files import atomic_write_bytes, atomic_write_text
 from ..prompts import list_prompt
 from .generate import (
-    CIRCULAR_OFFSET,
     COLOR_AT,
     COLOR_OF_SHAPE,
     COUNT,
@@ -43,13 +40,15 @@ from .generate import (
     HINT_LOOKUP,
     LETTERS,
     MMB_CATEGORY,
-    MMB_COLUMNS,
     SHAPE_OF_COLOR,
     Question,
     _absent_pair,
-    human_answers,
     image_name,
-    rotate,
+    mmbench_rows,
+    pope_line,
+    vqa_records,
+    write_mmbench_tsv,
+    write_vqa_files,
 )
 from .scenes import (
     GRID,
@@ -465,46 +464,13 @@ def generate_dev_sets576(out: str | Path, seed: int = 0, sizes: DevSizes | None 
         scenes[image_name(image_id)] = scene_record(scene)
         for k, q in enumerate(qs):
             qid = image_id * 1000 + k
-            questions.append({"question_id": qid, "image_id": image_id, "question": q.text})
-            answers = human_answers(q.answer, q.qtype, rng)
-            annotations.append(
-                {
-                    "question_id": qid,
-                    "image_id": image_id,
-                    "question_type": q.qtype,
-                    "answer_type": ANSWER_TYPE[q.qtype],
-                    "answers": [
-                        {
-                            "answer": a,
-                            "answer_confidence": rng.choice(["yes", "yes", "yes", "maybe"]),
-                            "answer_id": j + 1,
-                        }
-                        for j, a in enumerate(answers)
-                    ],
-                    "multiple_choice_answer": q.answer,
-                }
-            )
+            question, annotation = vqa_records(qid, image_id, q, ANSWER_TYPE[q.qtype], rng)
+            questions.append(question)
+            annotations.append(annotation)
             targets["vqav2"][str(qid)] = _target_record(q)
         image_id += 1
     info = {"description": "mm-oval synthetic 576-token VQAv2-format dev set", "version": "1.0", "seed": seed}
-    atomic_write_text(
-        out / "vqav2_dev_questions.json",
-        json.dumps(
-            {
-                "info": info,
-                "task_type": "Open-Ended",
-                "data_type": "synth576",
-                "data_subtype": "dev",
-                "questions": questions,
-            }
-        ),
-    )
-    atomic_write_text(
-        out / "vqav2_dev_annotations.json",
-        json.dumps(
-            {"info": info, "data_type": "synth576", "data_subtype": "dev", "annotations": annotations}
-        ),
-    )
+    write_vqa_files(out, info, "synth576", questions, annotations)
 
     # POPE: 3 yes and 3 no (random, popular, adversarial negatives) per image, on new images
     pope_lines = []
@@ -542,17 +508,7 @@ def generate_dev_sets576(out: str | Path, seed: int = 0, sizes: DevSizes | None 
         items += [(q, kind) for q, kind in zip(negs, NEGATIVE_KINDS)]
         rng.shuffle(items)
         for q, kind in items:
-            pope_lines.append(
-                json.dumps(
-                    {
-                        "question_id": qid,
-                        "image": image_name(image_id),
-                        "text": q.text,
-                        "label": q.answer,
-                        "category": kind,
-                    }
-                )
-            )
+            pope_lines.append(pope_line(qid, image_name(image_id), q, kind))
             targets["pope"][str(qid)] = _target_record(q, category=kind)
             qid += 1
         image_id += 1
@@ -596,22 +552,13 @@ def generate_dev_sets576(out: str | Path, seed: int = 0, sizes: DevSizes | None 
         mq = to_mmbench(scene, q, rng, hint_mode="distractor" if distract else "none")
         b64 = base64.b64encode(scene.png_bytes()).decode("ascii")
         scenes[f"mmbench-{base}"] = scene_record(scene)
-        category, l2 = MMB_CATEGORY576[qtype]
-        for k in range(len(mq.options)):
-            r = rotate(mq, k)
-            index = base + k * CIRCULAR_OFFSET
-            opts = r.options + [""] * (4 - len(r.options))
-            rows.append([index, r.text, r.hint, *opts, r.answer, category, b64, "synth576", l2, "", "dev"])
+        rows += mmbench_rows(base, mq, b64, *MMB_CATEGORY576[qtype], source="synth576")
         targets["mmbench"][str(base)] = _target_record(
             q,
             answer=mq.options[LETTERS.index(mq.answer)],
             hint="needed" if qtype == HINT_LOOKUP else ("distractor" if mq.hint else "none"),
         )
-    buf = io.StringIO()
-    writer = csv.writer(buf, delimiter="\t", lineterminator="\n", quoting=csv.QUOTE_MINIMAL)
-    writer.writerow(MMB_COLUMNS)
-    writer.writerows(rows)
-    atomic_write_text(out / "mmbench_dev.tsv", buf.getvalue())
+    write_mmbench_tsv(out, rows)
 
     meta = {
         "seed": seed,
