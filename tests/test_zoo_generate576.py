@@ -20,9 +20,8 @@ from mm_oval.prompts import LIST_INSTRUCTION, mmbench_prompt, short_answer_promp
 from mm_oval.training.router import load_prompts
 from mm_oval.training.traces import load_samples
 from mm_oval.zoo import bundled576_data_dir
+from mm_oval.zoo.generate import CIRCULAR_OFFSET, MMB_COLUMNS
 from mm_oval.zoo.generate576 import (
-    CIRCULAR_OFFSET,
-    MMB_COLUMNS,
     TRAIN_KINDS,
     VQA_TYPES,
     DevSizes,
