@@ -11,3 +11,14 @@ def test_demo_prints_the_table_for_the_full_cache_and_a_method(capsys, tmp_path)
     assert "of full)" in lines[2]
     # the harness wrote its resumable runs where it was told to
     assert (tmp_path / "vqav2" / "snapkv" / "results.json").is_file()
+
+
+def test_demo_shows_the_576_token_benchmark_by_default(capsys, tmp_path):
+    args = ["demo", "--tasks", "vqav2,objlist", "--methods", "oval", "--limit", "3", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
+    assert lines[0] == "| method | VQAv2 acc | object list F1 |"
+    assert lines[1].startswith("| full | ") and lines[2].startswith("| oval | ")
+    assert "576 image tokens" in out
+    assert (tmp_path / "objlist" / "oval" / "results.json").is_file()
