@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 # per bundled benchmark: model and data names, default tasks and methods
 BENCHES = {
     "576": {"model": "bundled576", "data": "bundled576", "tasks": ("vqav2", "pope", "mmbench", "objlist"),
-            "methods": ("snapkv", "expected_attention", "oval"), "limit": 24},
+            "methods": ("snapkv", "expected_attention", "kvp:agents=bundled576-image", "oval"), "limit": 24},
     "64": {"model": "bundled", "data": "bundled", "tasks": ("vqav2", "pope", "mmbench"),
            "methods": ("snapkv", "kvp", "oval"), "limit": 0},
 }  # fmt: skip
@@ -39,6 +39,12 @@ LABELS = {
     "textvqa": "TextVQA acc",
     "objlist": "object list F1",
 }
+
+
+def _spec(name: str) -> str:
+    """A method name, or a name with its own options (`kvp:agents=bundled576-image`), with the demo's
+    sink and recent-window options added."""
+    return f"{name},{METHOD_OPTIONS}" if ":" in name else f"{name}:{METHOD_OPTIONS}"
 
 
 def _fraction(text: str) -> float:
@@ -113,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     for task in tasks:  # every task and method is checked before the model loads and the first runs
         get_task(task)
     for name in methods[1:]:
-        check_method(f"{name}:{METHOD_OPTIONS}", args.budget)
+        check_method(_spec(name), args.budget)
     model, processor = load_model(bench["model"])
     table: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                     processor,
                     task,
                     bench["data"],
-                    method="full" if full else f"{name}:{METHOD_OPTIONS}",
+                    method="full" if full else _spec(name),
                     budget=None if full else args.budget,
                     limit=limit or None,
                     batch_size=args.batch_size,

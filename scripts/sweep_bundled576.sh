@@ -19,7 +19,7 @@ mkdir -p "$OUT" docs/results
 O=sink_tokens=3,recent_tokens=0
 EVICTION=(expected_attention:$O adakv:$O,scorer=expected_attention kvzip:$O pyramidkv:$O adakv:$O
           keydiff:$O fastv:$O h2o:$O tova:$O snapkv:$O streamingllm:$O random:$O knorm:$O)
-EVICTION+=(${EXTRA_EVICTION:-})
+EVICTION+=(kvp:$O,agents=bundled576-image ${EXTRA_EVICTION:-})
 RETRIEVAL=(oval:$O quest:$O ${EXTRA_RETRIEVAL:-})
 run() {  # name, then the sweep's arguments
     local name=$1; shift

@@ -89,3 +89,30 @@ def test_bundled_agents_beat_attention_free_baselines_on_heldout_traces(bundled,
         base = heldout_cost(scorer, held, c.sinks, c.recent)
         assert kvp.cost < base.cost
         assert kvp.evicted_image[0.25] < base.evicted_image[0.25]
+
+
+def test_the_576_token_agents_load_for_their_model_and_beat_every_baseline(tmp_path):
+    """The agents fitted to the 576-token tiny LLaVA (question-agnostic, 3 sinks, no recent window) load
+    against it, are refused by the 64-token model, and rank held-out tokens better than every
+    attention-free baseline on traces cut after the image."""
+    from mm_oval.errors import ModelError
+    from mm_oval.modelfiles import load_model
+
+    model, processor = load_model("bundled576")
+    pol = KVPPolicy(agents="bundled576-image", model=model)
+    assert pol.loaded.training["compress"] == "image" and (pol.agents.config.sinks, pol.agents.config.recent) == (3, 0)
+    small, _ = load_model("bundled")
+    with pytest.raises(ModelError):
+        KVPPolicy(agents="bundled576-image", model=small)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples = load_samples("zoo576:heldout:8", seed=123, followups=1)
+        capture_traces(model, processor, samples, tmp_path, store_queries=False, compress="image")
+    finally:
+        torch.set_num_threads(n)
+    held = list(iter_traces(tmp_path))
+    c = pol.agents.config
+    kvp = heldout_cost(agent_scorer(pol.agents), held, c.sinks, c.recent)
+    for scorer in (random_scorer(0), recency_scorer, knorm_scorer, keydiff_scorer):
+        assert kvp.cost < heldout_cost(scorer, held, c.sinks, c.recent).cost
