@@ -47,7 +47,8 @@ class KVPPolicy(EvictionPolicy):
     """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`), or
     "bundled" (the default: the agents trained for the bundled tiny LLaVA) or "bundled-joint" (its
     joint-heads agents, for `head_budget="shared"`), "bundled-image" / "bundled-image-joint" (the same
-    trained for `compress="image"`, the image compressed before the question is read). `model`, when given, is checked against
+    trained for `compress="image"`, the image compressed before the question is read), or "bundled576-image"
+    (per-head agents for the 576-token tiny LLaVA, `compress="image"`). `model`, when given, is checked against
     the agents' recorded shape and fingerprint at once; otherwise each layer is checked on first use
     (shape from the keys, fingerprint from the layer's k_proj / v_proj).
 
