@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count(0),
         default=None,
         help="first N questions of each dev set (0: all; default: 24 at 576 tokens, so the demo takes about "
-        "a minute and a half on 2 cores, all at 64)",
+        "70 s on 2 cores, all at 64)",
     )
     parser.add_argument("--batch-size", type=_count(1), default=20)
     parser.add_argument("--compress", choices=("image", "prompt"), default="image")
