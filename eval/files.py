@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +60,9 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         raise DataError(f"{what} {path} is not valid JSON: {e}") from e
 
 
-def read_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> list[dict]:
-    """Every line of a JSONL file as a dict; a corrupt line is an error naming its line number."""
+def read_jsonl_lines(path: str | os.PathLike, what: str = "JSONL file") -> list[tuple[int, dict]]:
+    """(line number, dict) of every non-blank line of a JSONL file; a corrupt line is an error naming its
+    line number. The numbers are the file's own, blank lines counted, so later checks can name them too."""
     path = Path(path)
     rows = []
     for lineno, line in enumerate(_read_text(path, what).split("\n"), 1):
@@ -75,8 +76,41 @@ def read_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> list[dict]:
             raise DataError(f"{what} {path}, line {lineno}: not valid JSON ({e})") from e
         if not isinstance(row, dict):
             raise DataError(f"{what} {path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
+        rows.append((lineno, row))
     return rows
+
+
+def read_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> list[dict]:
+    """Every line of a JSONL file as a dict; a corrupt line is an error naming its line number."""
+    return [row for _, row in read_jsonl_lines(path, what)]
+
+
+def read_jsonl_answers(
+    path: Path, ids: set[str], what: str, key: Callable[[dict, str], str] | None = None
+) -> tuple[dict[str, str], int]:
+    """LLaVA's answers file (JSONL rows {"question_id", "text"}): ({question key: text} for the keys in
+    `ids`, the number of rows). `key(row, where)` gives a row's question key (default: its question_id as
+    text); a question answered twice is an error naming the line, rows naming other questions are
+    counted, logged and left out. The caller says what no matching row at all means for its task."""
+    lines = read_jsonl_lines(path, what)
+    out: dict[str, str] = {}
+    unknown = 0
+    for lineno, r in lines:
+        where = f"{path}, line {lineno}"
+        if "question_id" not in r or "text" not in r:
+            raise DataError(f'{where}: needs "question_id" and "text"')
+        if not isinstance(r["text"], str):
+            raise DataError(f"{where}: text {r['text']!r} is not text")
+        k = key(r, where) if key else str(r["question_id"])
+        if k in out:
+            raise DataError(f"{where}: a second answer to question {k}; keep one")
+        if k in ids:
+            out[k] = r["text"]
+        else:
+            unknown += 1
+    if unknown:
+        log.warning("%s: %d answers name questions that are not in the data; ignored", path, unknown)
+    return out, len(lines)
 
 
 class JsonlAppender:

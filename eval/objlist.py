@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -30,11 +29,9 @@ from typing import Any
 from ..errors import DataError
 from ..files import atomic_write_text
 from ..prompts import list_prompt, load_image
-from .files import read_jsonl
+from .files import read_jsonl_answers, read_jsonl_lines
 from .tasks import Item, Rule, Task, find_one
 from .vqa import find_image_dir
-
-log = logging.getLogger(__name__)
 
 OBJLIST_RULES = (
     Rule(
@@ -112,12 +109,6 @@ def _means(rows: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
-def _line_numbers(path: Path) -> list[int]:
-    """The line number of each record `read_jsonl` returns (it skips blank lines)."""
-    text = path.read_text(encoding="utf-8-sig")
-    return [n for n, line in enumerate(text.split("\n"), 1) if line.strip()]
-
-
 def _check_row(row: dict, where: str) -> None:
     missing = [k for k in FIELDS if k not in row]
     if missing:
@@ -161,12 +152,12 @@ class ObjListTask(Task):
     def load(self, data: Path, limit: int | None = None, images: str | None = None, **_: Any) -> list[Item]:
         path = data if data.is_file() else find_one(data, ["list_dev.jsonl", "list*.jsonl"], "object-list")
         image_dir = find_image_dir(data, images, ("images",))
-        rows = read_jsonl(path, "object-list file")
+        rows = read_jsonl_lines(path, "object-list file")
         if not rows:
             raise DataError(f"object-list file {path} holds no questions; write one JSON row per question")
         seen: dict[int, int] = {}
         items: list[Item] = []
-        for lineno, row in zip(_line_numbers(path), rows):
+        for lineno, row in rows:
             where = f"{path}, line {lineno}"
             _check_row(row, where)
             qid = row["question_id"]
@@ -211,32 +202,18 @@ class ObjListTask(Task):
         return out
 
     def read_predictions(self, path: Path, items: list[Item]) -> dict[str, str]:
-        rows = read_jsonl(path, "object-list answers file")
-        ids = {it.id for it in items}
-        out: dict[str, str] = {}
-        unknown = 0
-        for lineno, r in zip(_line_numbers(path), rows):
-            if "question_id" not in r or "text" not in r:
-                raise DataError(f'{path}, line {lineno}: needs "question_id" and "text"')
-            if not isinstance(r["text"], str):
-                raise DataError(f"{path}, line {lineno}: text {r['text']!r} is not text")
+        def key(r: dict, where: str) -> str:
             qid = r["question_id"]
             if isinstance(qid, (bool, list, dict)) or qid is None:
-                raise DataError(f"{path}, line {lineno}: question_id {qid!r} is not a question id")
-            key = str(qid)
-            if key in out:
-                raise DataError(f"{path}, line {lineno}: a second answer to question {key}; keep one")
-            if key in ids:
-                out[key] = r["text"]
-            else:
-                unknown += 1
+                raise DataError(f"{where}: question_id {qid!r} is not a question id")
+            return str(qid)
+
+        out, n = read_jsonl_answers(path, {it.id for it in items}, "object-list answers file", key)
         if not out and items:
             raise DataError(
-                f"{path}: none of its {len(rows)} answers names a question in the data; are these answers "
+                f"{path}: none of its {n} answers names a question in the data; are these answers "
                 "for another question file?"
             )
-        if unknown:
-            log.warning("%s: %d answers name questions that are not in the data; ignored", path, unknown)
         return out
 
     def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:

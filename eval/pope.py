@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,9 @@ from typing import Any
 from ..errors import DataError
 from ..files import atomic_write_text
 from ..prompts import SHORT_ANSWER_PROMPT, load_image, short_answer_prompt
-from .files import read_jsonl
+from .files import read_jsonl_answers, read_jsonl_lines
 from .tasks import Item, Rule, Task
 from .vqa import find_image_dir
-
-log = logging.getLogger(__name__)
 
 
 def yes_no(text: str) -> str:
@@ -118,7 +115,7 @@ class POPETask(Task):
         image_dir = find_image_dir(data, images, ("images", "val2014"))
         items: list[Item] = []
         for path, file_category in sources:
-            for lineno, row in enumerate(read_jsonl(path, "POPE file"), 1):
+            for lineno, row in read_jsonl_lines(path, "POPE file"):
                 try:
                     qid, text, label, image = row["question_id"], row["text"], row["label"], row["image"]
                 except KeyError as e:
@@ -182,28 +179,17 @@ class POPETask(Task):
         return out
 
     def read_predictions(self, path: Path, items: list[Item]) -> dict[str, str]:
-        rows = read_jsonl(path, "POPE answers file")
         ids = {it.id for it in items}
-        out: dict[str, str] = {}
-        unknown = 0
-        for lineno, r in enumerate(rows, 1):
-            if "question_id" not in r or "text" not in r:
-                raise DataError(f'{path}, line {lineno}: needs "question_id" and "text"')
-            if not isinstance(r["text"], str):
-                raise DataError(f"{path}, line {lineno}: text {r['text']!r} is not text")
-            key = str(r["question_id"])
-            if key not in ids and "category" in r:
-                key = f"{r['category']}/{key}"
-            if key in out:
-                raise DataError(f"{path}, line {lineno}: a second answer to question {key}")
-            if key in ids:
-                out[key] = r["text"]
-            else:
-                unknown += 1
+
+        def key(r: dict, where: str) -> str:  # an id of the category folder is '<category>/<question_id>'
+            k = str(r["question_id"])
+            return f"{r['category']}/{k}" if k not in ids and "category" in r else k
+
+        out, n = read_jsonl_answers(path, ids, "POPE answers file", key)
         if not out and items:
             folder = any("/" in i for i in ids)
             raise DataError(
-                f"{path}: none of its {len(rows)} answers names a question in the data"
+                f"{path}: none of its {n} answers names a question in the data"
                 + (
                     " (with the coco_pope_<category>.json folder the ids are '<category>/<question_id>': give "
                     'each answer the "category" of its question, as LLaVA\'s question file has it)'
@@ -211,8 +197,6 @@ class POPETask(Task):
                     else "; are these answers for another question file?"
                 )
             )
-        if unknown:
-            log.warning("%s: %d answers name questions that are not in the data; ignored", path, unknown)
         return out
 
     def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:

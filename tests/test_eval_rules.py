@@ -214,6 +214,16 @@ def test_pope_answers_that_match_no_question_are_an_error(tmp_path):
         score_file("pope", tmp_path, tmp_path / "answers.jsonl")
 
 
+def test_a_pope_answers_error_names_the_files_own_line(tmp_path):
+    # blank lines count: the error names the line an editor shows, as the data file's errors do
+    rows = [{"question_id": i, "image": "a.jpg", "text": "Is there a dog?", "label": "yes"} for i in (1, 2)]
+    (tmp_path / "coco_pope_random.json").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = json.dumps({"question_id": 1, "category": "random", "text": "No"}) + "\n\n" + json.dumps({"question_id": 2})
+    (tmp_path / "answers.jsonl").write_text(text + "\n")
+    with pytest.raises(DataError, match='answers.jsonl, line 3: needs "question_id" and "text"'):
+        score_file("pope", tmp_path, tmp_path / "answers.jsonl")
+
+
 # ---------------------------------------------------------------- MMBench
 
 
