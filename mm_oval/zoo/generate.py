@@ -22,6 +22,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, ImageDraw
 
@@ -560,9 +561,18 @@ def generate_dev_sets(out: str | Path, seed: int = 0, sizes: DevSizes | None = N
 
 @dataclass
 class TrainItem:
-    scene: Scene
+    scene: Any  # a Scene of this module or of scenes.py (the 576-token benchmark)
     image: Image.Image
-    questions: list[Question]  # VQA-style (no options) or MMBench-style (options, answer is a letter)
+    questions: list[Question]  # VQA-style (no options), MMBench-style (options, answer is a letter), lists
+
+
+def check_sampler_options(mmbench_fraction: float, type_weights: dict[str, float] | None, kinds) -> None:
+    """A train sampler's options: the MMBench share in [0, 1]; type weights of known `kinds`, none negative."""
+    if not 0.0 <= mmbench_fraction <= 1.0:
+        raise ConfigError(f"mmbench_fraction must be in [0, 1], got {mmbench_fraction}")
+    unknown = set(type_weights or {}) - set(kinds)
+    if unknown or any(w < 0 for w in (type_weights or {}).values()):
+        raise ConfigError(f"type_weights: unknown types {sorted(unknown)} or negative weights; types: {list(kinds)}")
 
 
 class TrainSampler:
@@ -577,13 +587,7 @@ class TrainSampler:
         mmbench_fraction: float = 0.3,
         type_weights: dict[str, float] | None = None,
     ):
-        if not 0.0 <= mmbench_fraction <= 1.0:
-            raise ConfigError(f"mmbench_fraction must be in [0, 1], got {mmbench_fraction}")
-        unknown = set(type_weights or {}) - set(TRAIN_KINDS)
-        if unknown or any(w < 0 for w in (type_weights or {}).values()):
-            raise ConfigError(
-                f"type_weights: unknown types {sorted(unknown)} or negative weights; types: {list(TRAIN_KINDS)}"
-            )
+        check_sampler_options(mmbench_fraction, type_weights, TRAIN_KINDS)
         # None keeps the uniform draw (and its random stream); otherwise relative weights, default 1
         self.type_weights = [float(type_weights.get(k, 1.0)) for k in TRAIN_KINDS] if type_weights else None
         make_scene(random.Random(0), min_objects, max_objects)  # validates the counts

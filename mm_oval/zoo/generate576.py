@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image
-
 from ..errors import ConfigError
 from ..files import atomic_write_bytes, atomic_write_text
 from ..prompts import list_prompt
@@ -42,7 +40,9 @@ from .generate import (
     MMB_CATEGORY,
     SHAPE_OF_COLOR,
     Question,
+    TrainItem,
     _absent_pair,
+    check_sampler_options,
     image_name,
     mmbench_rows,
     pope_line,
@@ -591,13 +591,6 @@ def generate_dev_sets576(out: str | Path, seed: int = 0, sizes: DevSizes | None 
 # the train split, drawn on the fly
 
 
-@dataclass
-class TrainItem:
-    scene: Scene
-    image: Image.Image
-    questions: list[Question]  # VQA-style (no options), MMBench-style (options, answer is a letter), lists
-
-
 class TrainSampler576:
     """Draws training scenes with many questions each: every type (VQA-style and MMBench-style, list
     questions in either order). Within an item the yes/no questions of each type alternate yes and no (from
@@ -611,13 +604,7 @@ class TrainSampler576:
         mmbench_fraction: float = 0.3,
         type_weights: dict[str, float] | None = None,
     ):
-        if not 0.0 <= mmbench_fraction <= 1.0:
-            raise ConfigError(f"mmbench_fraction must be in [0, 1], got {mmbench_fraction}")
-        unknown = set(type_weights or {}) - set(TRAIN_KINDS)
-        if unknown or any(w < 0 for w in (type_weights or {}).values()):
-            raise ConfigError(
-                f"type_weights: unknown types {sorted(unknown)} or negative weights; types: {list(TRAIN_KINDS)}"
-            )
+        check_sampler_options(mmbench_fraction, type_weights, TRAIN_KINDS)
         self.type_weights = [float((type_weights or {}).get(k, 1.0)) for k in TRAIN_KINDS]
         if not any(self.type_weights):
             raise ConfigError("type_weights: at least one type needs a positive weight")
