@@ -33,6 +33,18 @@ def bundled():
     return model, AutoProcessor.from_pretrained(path)
 
 
+def image_cut_traces(model, processor, spec: str, out) -> list:
+    """Held-out traces of `spec`'s prompts cut after the image, captured on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples = load_samples(spec, seed=123, followups=1)
+        capture_traces(model, processor, samples, out, store_queries=False, compress="image")
+    finally:
+        torch.set_num_threads(n)
+    return list(iter_traces(out))
+
+
 def test_bundled_agents_load_for_the_bundled_model(bundled):
     model, _ = bundled
     KVPPolicy(model=model)  # raises ModelError if the agents were trained for other weights
@@ -53,14 +65,7 @@ def test_question_agnostic_agents_beat_every_scorer_on_question_agnostic_traces(
     rank the image tokens better than every baseline the traces can score, and better than the agents
     trained on whole prompts."""
     model, processor = bundled
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        samples = load_samples("zoo:heldout:24", seed=123, followups=1)
-        capture_traces(model, processor, samples, tmp_path, store_queries=False, compress="image")
-    finally:
-        torch.set_num_threads(n)
-    held = list(iter_traces(tmp_path))
+    held = image_cut_traces(model, processor, "zoo:heldout:24", tmp_path)
     agents = load_agents(bundled_agents_path(name=name)).agents
     c = agents.config
     kvp = heldout_cost(agent_scorer(agents), held, c.sinks, c.recent)
@@ -104,14 +109,7 @@ def test_the_576_token_agents_load_for_their_model_and_beat_every_baseline(tmp_p
     small, _ = load_model("bundled")
     with pytest.raises(ModelError):
         KVPPolicy(agents="bundled576-image", model=small)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        samples = load_samples("zoo576:heldout:8", seed=123, followups=1)
-        capture_traces(model, processor, samples, tmp_path, store_queries=False, compress="image")
-    finally:
-        torch.set_num_threads(n)
-    held = list(iter_traces(tmp_path))
+    held = image_cut_traces(model, processor, "zoo576:heldout:8", tmp_path)
     c = pol.agents.config
     kvp = heldout_cost(agent_scorer(pol.agents), held, c.sinks, c.recent)
     for scorer in (random_scorer(0), recency_scorer, knorm_scorer, keydiff_scorer):
