@@ -18,9 +18,9 @@ import torch
 
 from ..files import atomic_write_text
 from . import circuit576
-from .model import TinyLlavaSizes, build_tiny_llava
+from .model import TinyLlavaSizes, build_tiny_llava, pixel_values
 from .scenes import make_scene
-from .vision576 import LossWeights, patch_features, pixel_values, targets, train_tower
+from .vision576 import LossWeights, patch_features, targets, train_tower
 from .vocab import vocabulary576
 
 log = logging.getLogger(__name__)

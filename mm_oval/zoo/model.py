@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
@@ -20,6 +21,21 @@ from transformers import (
 )
 
 from .vocab import vocabulary
+
+# CLIPImageProcessor's normalisation (OpenAI CLIP's), as the bundled processors apply it
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def pixel_values(images: list) -> torch.Tensor:
+    """What the bundled CLIPImageProcessor gives for RGB images already at its size (the scenes are drawn
+    at the model's image size: no resize or crop needed): scale to [0, 1] and normalise, (B, 3, H, W)."""
+    arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0 for im in images])
+    x = torch.from_numpy(arr).permute(0, 3, 1, 2)
+    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
 
 # LLaVA-1.5's template (as llava-hf ships it): "USER: <image>\n{text} ASSISTANT: {answer}</s>..."
 CHAT_TEMPLATE = (

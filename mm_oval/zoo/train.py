@@ -41,12 +41,10 @@ from ..files import atomic_write_bytes
 from ..modelfiles import load_checkpoint
 from . import circuit
 from .generate import COLORS, GRID, LETTERS, MMB_SUFFIX, SHAPES, VQA_SUFFIX, Question, TrainSampler
-from .model import TinyLlavaSizes, build_tiny_llava
+from .model import TinyLlavaSizes, build_tiny_llava, pixel_values
 
 log = logging.getLogger(__name__)
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass
@@ -133,15 +131,6 @@ def init_position_code(tower) -> None:
             pe[1 + p, p // GRID] = 3.0
             pe[1 + p, GRID + p % GRID] = 3.0
         emb.patch_embedding.weight[: 2 * GRID] = 0.0
-
-
-def pixel_values(images: list) -> torch.Tensor:
-    """What CLIPImageProcessor gives for 128x128 RGB images (no resize or crop needed): scale and normalise."""
-    arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0 for im in images])
-    x = torch.from_numpy(arr).permute(0, 3, 1, 2)
-    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
-    return (x - mean) / std
 
 
 def patch_labels(scene) -> torch.Tensor:

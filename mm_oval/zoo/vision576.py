@@ -26,23 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..files import atomic_write_text
+from .model import pixel_values
 from .scenes import GRID, make_scene
 from .vocab import COLORS, SHAPES
 
 log = logging.getLogger(__name__)
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 N_PATCHES = GRID * GRID
-
-
-def pixel_values(images: list) -> torch.Tensor:
-    """What CLIPImageProcessor gives for 336x336 RGB images (no resize or crop needed)."""
-    arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0 for im in images])
-    x = torch.from_numpy(arr).permute(0, 3, 1, 2)
-    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
-    return (x - mean) / std
 
 
 def init_position_code(tower) -> None:
