@@ -63,7 +63,6 @@ LETTERS = "ABCD"
 DIGITS = 7  # words 0..6: region numbers 1..6, counts 0..5
 COUNT_MAX = 5
 NC, NS = len(COLORS), len(SHAPES)
-OFF = 1.5  # the normalised centre of a patch outside every object (vision576.OFF_CENTRE / GRID)
 
 MARKERS = [
     "IS_Q", "IS_DOT", "IS_COMMA", "IS_BOS", "W_THERE", "W_IMAGE", "W_DIRECTLY", "W_ASSIST", "W_OBJECT",

@@ -78,11 +78,6 @@ class Obj:
         return (int(self.cy) // REGION_PATCHES, int(self.cx) // REGION_PATCHES)
 
     @property
-    def centre_patch(self) -> tuple[int, int]:
-        """0-based (row, col) of the patch holding the centre."""
-        return (int(self.cy), int(self.cx))
-
-    @property
     def name(self) -> str:
         return f"{self.color} {self.shape}"
 
@@ -168,20 +163,6 @@ class Scene:
             m = np.asarray(mask, np.float32).reshape(GRID, PATCH, GRID, PATCH).mean(axis=(1, 3)) / 255.0
             out.append([(int(r), int(c)) for r, c in zip(*np.nonzero(m >= MEMBER_COVERAGE))])
         return out
-
-    def member_patches(self, objs: list[Obj]) -> list[tuple[int, int]]:
-        """The member patches of `objs` (objects of this scene), in scene order."""
-        out = []
-        for o, mem in zip(self.objects, self.members):
-            if o in objs:
-                out.extend(mem)
-        return out
-
-    def in_region(self, row: int, col: int) -> Obj | None:
-        for o in self.objects:
-            if o.region == (row, col):
-                return o
-        return None
 
     def left_to_right(self) -> list[Obj]:
         return sorted(self.objects, key=lambda o: o.cx)
