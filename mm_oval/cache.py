@@ -41,6 +41,7 @@ from .core import (
     IMAGE,
     PAD,
     TEXT,
+    BytesBudget,
     DecodeContext,
     PageBatch,
     PrefillContext,
@@ -519,21 +520,21 @@ class PagedLayer(CacheLayerMixin):
             selected = self._by_modality(valid & chosen.gather(-1, page))
         self._read_t += torch.stack([summary, selected * per_token, read_always * per_token, dense * per_token])
 
-    def _pages_within_bytes(
+    def _bytes_budget(
         self, cand: torch.Tensor, always: torch.Tensor, summary: torch.Tensor, fraction: float
-    ) -> torch.Tensor:
-        """(B, Hkv) long: per KV head, the most candidate pages whose KV bytes, with the summaries scanned
-        (`summary`, (B, Hkv)) and the always-read pages' (`always`, (B, Hkv, P) bool), fit `fraction` of
-        the dense bytes (every resident slot). Whichever pages the policy picks fit: the count is that of
-        the largest candidate pages that fit. A head whose summaries and always-read pages alone exceed the
-        budget reads no optional page (counted in `counters["read_over_budget"]`)."""
+    ) -> BytesBudget:
+        """Per KV head, the bytes left for the pages the policy selects: `fraction` of the dense bytes
+        (every resident slot) less the summaries scanned (`summary`, (B, Hkv)) and the always-read pages'
+        KV (`always`, (B, Hkv, P) bool), with each candidate page's KV bytes. A head whose summaries and
+        always-read pages alone exceed the budget reads no optional page (counted in
+        `counters["read_over_budget"]`)."""
         per_token = kv_bytes_per_token(self.keys)
         P_s = cand.shape[-1]
         page_bytes = page_kv_bytes(self.page_len, self.keys)
         dense = self.slot_valid.sum(-1) * per_token
         left = fraction * dense - summary - (page_bytes * always).sum(-1)
         self.owner.counters["read_over_budget"] += (left < 0).sum()
-        return pages_within_bytes(page_bytes[..., :P_s], cand, left)
+        return BytesBudget(page_bytes[..., :P_s], left)
 
     def read_pages(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """(B, Hkv, P) bool: the pages each KV head reads at this step; None when it reads them all.
@@ -564,9 +565,9 @@ class PagedLayer(CacheLayerMixin):
         B, H, P = self.page_len.shape
         rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
         always = torch.cat([~cand, rest], -1) & (self.page_len > 0)
-        budget: float | torch.Tensor = owner.config.read_budget
+        budget: float | BytesBudget = owner.config.read_budget
         if owner.config.read_bytes_budget is not None:
-            budget = self._pages_within_bytes(cand, always, summary.sum(-1), owner.config.read_bytes_budget)
+            budget = self._bytes_budget(cand, always, summary.sum(-1), owner.config.read_bytes_budget)
         chosen = owner.retrieval.select(ctx, budget) & cand
         owner.counters["candidate_pages"] += cand.sum()
         owner.counters["pages_read"] += chosen.sum()

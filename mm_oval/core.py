@@ -202,6 +202,28 @@ class DecodeContext:
         return self.query.shape[1] // self.page_start.shape[1]
 
 
+@dataclass
+class BytesBudget:
+    """A decode step's bytes budget, per KV head (what the cache makes of `read_bytes_budget`): the KV bytes
+    of each page and the bytes left for the pages a policy selects, once the summaries scanned and the
+    always-read pages are counted. `select` fills it with the best-scoring pages (`fill_by_score`)."""
+
+    page_bytes: torch.Tensor  # (B, Hkv, P) long
+    left: torch.Tensor  # (B, Hkv)
+
+
+def fill_by_score(scores: torch.Tensor, eligible: torch.Tensor, page_bytes: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+    """Per row, True for the highest-scoring `eligible` pages, best first, while their bytes together fit
+    `left` (the first page that does not fit ends the selection, so the pages read are always the top of
+    the ranking). scores/eligible/page_bytes (..., P), left (...) -> (..., P) bool."""
+    s = scores.float().masked_fill(~eligible, float("-inf"))
+    order = s.argsort(dim=-1, descending=True, stable=True)
+    size = torch.where(eligible, page_bytes, 0).gather(-1, order)
+    fits = size.cumsum(-1) <= left.unsqueeze(-1)
+    chosen = torch.zeros_like(eligible).scatter_(-1, order, fits)
+    return chosen & eligible
+
+
 def topk_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Per row, True for the `k` highest scores among `eligible` entries (ties: lower index first).
     scores/eligible (..., N), k (...) long."""

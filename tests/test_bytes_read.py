@@ -48,6 +48,7 @@ def _run(model, inputs, **cfg):
                     "plen": ctx.page_len,
                     "kind": ctx.page_kind,
                     "budget": budget,
+                    "scores": policy.score_pages(ctx),
                     "summaries": ctx.summaries,
                 }
             )
@@ -149,7 +150,7 @@ def test_a_read_budget_of_one_reads_dense_plus_the_summaries(model, llava_batch)
 
 
 @pytest.mark.parametrize("fraction", [0.7, 0.9])
-def test_a_bytes_budget_reads_the_most_pages_that_fit_whichever_are_picked(model, llava_batch, fraction):
+def test_a_bytes_budget_reads_the_best_pages_while_they_fit(model, llava_batch, fraction):
     inputs = llava_batch(TEXTS)
     cache, log, br = _run(model, inputs, retrieval="quest", read_bytes_budget=fraction)
     per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
@@ -159,7 +160,7 @@ def test_a_bytes_budget_reads_the_most_pages_that_fit_whichever_are_picked(model
     some_read = False
     for i, e in enumerate(log):
         step = i // n_layers + 1
-        cand, plen, chosen = e["cand"], e["plen"], e["chosen"]
+        cand, plen, chosen, scores = e["cand"], e["plen"], e["chosen"], e["scores"]
         sb = _summary_bytes("quest", plen, e["summaries"])
         for b in range(cand.shape[0]):
             dense = int(n_valid[b] + step) * per_token
@@ -168,15 +169,18 @@ def test_a_bytes_budget_reads_the_most_pages_that_fit_whichever_are_picked(model
                 kv = plen[b, h] * per_token
                 always = dense - int(kv[c].sum())
                 left = fraction * dense - always - int(sb[b, h][c].sum())
-                sizes = sorted((int(x) for x in kv[c]), reverse=True)
-                k = 0
-                while k < len(sizes) and sum(sizes[: k + 1]) <= left:
-                    k += 1
-                assert int(e["budget"][b, h]) == k
-                assert int(chosen[b, h].sum()) == k
+                # pages best score first (ties: lower index first), read while their bytes fit
+                ranked = sorted((-float(scores[b, h, j]), j) for j in c.nonzero().flatten().tolist())
+                expect, used = set(), 0
+                for _, j in ranked:
+                    if used + int(kv[j]) > left:
+                        break
+                    expect.add(j)
+                    used += int(kv[j])
+                assert set(chosen[b, h].nonzero().flatten().tolist()) == expect
                 read = always + int(sb[b, h][c].sum()) + int(kv[chosen[b, h]].sum())
                 assert read <= fraction * dense
-                some_read |= k > 0
+                some_read |= bool(expect)
     assert some_read and br["over_budget"] == 0
     assert br["read_vs_dense"] <= fraction
 

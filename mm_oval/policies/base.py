@@ -27,6 +27,7 @@ from ..core import (  # noqa: F401
     IMAGE,
     PAD,
     TEXT,
+    BytesBudget,
     DecodeContext,
     PageBatch,
     PrefillContext,
@@ -34,6 +35,7 @@ from ..core import (  # noqa: F401
     Rope,
     StepState,
     budget_count,
+    fill_by_score,
     topk_mask,
 )
 from ..registry import (  # noqa: F401
@@ -119,9 +121,13 @@ class RetrievalPolicy:
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:  # (B, Hkv, P) float
         raise NotImplementedError
 
-    def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor) -> torch.Tensor:
+    def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor | BytesBudget) -> torch.Tensor:
         """-> (B, Hkv, P) bool, the candidate pages read at this step. `read_budget` is a fraction of the
-        candidates, or a (B, Hkv) long tensor of page counts (what the cache makes of a bytes budget)."""
+        candidates, a (B, Hkv) long tensor of page counts, or a `BytesBudget` (what the cache makes of a
+        bytes budget: the best-scoring pages while their bytes fit, so small pages are not charged as
+        large ones)."""
+        if isinstance(read_budget, BytesBudget):
+            return fill_by_score(self.score_pages(ctx), ctx.candidates, read_budget.page_bytes, read_budget.left)
         n = ctx.candidates.sum(-1)
         if isinstance(read_budget, torch.Tensor):
             k = read_budget.clamp(min=0).minimum(n)
