@@ -53,7 +53,7 @@ from .core import (
 )
 from .errors import ConfigError, DataError
 from .geometry import Geometry, fixed_grid_rc
-from .pages import gather_pages, layout_pages
+from .pages import dynamic_labels, gather_pages, layout_pages
 from .registry import make_eviction, make_retrieval
 
 if TYPE_CHECKING:
@@ -307,7 +307,11 @@ class PagedLayer(CacheLayerMixin):
             cfg.image_tile,
             cfg.text_page_size,
         )
-        if keep is valid:  # nothing evicted: every layer has the same layout, built once per request
+        sizing = cfg.sizing if owner.retrieval is not None else None
+        if sizing is not None:  # OVAL sizing: pages chosen per layer and KV head from the keys
+            labels = dynamic_labels(keys, keep, info.modality, info.image_rc, sizing)
+            lay = layout_pages(keep, *args, labels=labels)
+        elif keep is valid:  # nothing evicted: every layer has the same layout, built once per request
             lay = owner.request.full_layout
             if lay is None or lay.src.shape[1] != H:
                 lay = owner.request.full_layout = layout_pages(keep, *args)
@@ -616,7 +620,7 @@ class PagedLayer(CacheLayerMixin):
                 self.page_len,
                 page_idx,
                 scale=scaling,
-                max_page_len=max(cfg.image_tile**2, cfg.text_page_size),
+                max_page_len=cfg.max_page_len,
             )
             return out.unsqueeze(1)
         mask = self.read_mask(query, scaling)  # (B, H, q, L) or None

@@ -17,6 +17,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .pages import PageSizing
 from .registry import (
     EVICTION_REGISTRY,
     RETRIEVAL_REGISTRY,
@@ -27,6 +28,7 @@ from .registry import (
 
 EVICTION_SCOPES = ("image", "all")
 READ_SCOPES = ("image", "all")
+PAGE_SIZINGS = ("fixed", "dynamic")
 HEAD_BUDGETS = ("uniform", "shared")
 RENAMED = {"scope": "eviction_scope", "retrieval_scope": "read_scope"}
 
@@ -69,6 +71,14 @@ class OvalConfig:
     read_scope: str = "image"  # candidate pages: "image" pages only (text pages always read), or "all"
     image_tile: int = 2
     text_page_size: int = 16
+    # "fixed": image_tile x image_tile image pages and text_page_size text pages; "dynamic": OVAL's page
+    # sizing (mm_oval.pages.PageSizing), chosen at prefill per layer and KV head from the keys: pages of
+    # min_page_tokens to max_page_tokens tokens, cut while a key lies further from its page's mean key than
+    # page_split times the head's key spread (generated text still goes in text_page_size pages)
+    page_sizing: str = "fixed"
+    page_split: float = 0.25
+    max_page_tokens: int = 32
+    min_page_tokens: int = 2
     chunk_size: int = 512
     # the former names of the two scopes: refused with the new ones (not fields: never stored)
     scope: InitVar[Any] = None
@@ -97,6 +107,7 @@ class OvalConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
+        self._check_page_sizing()
         if (
             isinstance(self.read_budget, bool)
             or not isinstance(self.read_budget, (int, float))
@@ -124,6 +135,50 @@ class OvalConfig:
         self._check_combination()
         if self.method != "full":  # a budget shared by the heads needs a scorer whose scores allow it
             check_spec(self.method, self.method_options, self.head_budget)
+
+    def _check_page_sizing(self) -> None:
+        if self.page_sizing not in PAGE_SIZINGS:
+            raise ConfigError(f"page_sizing={self.page_sizing!r} is not one of {PAGE_SIZINGS}")
+        dynamic_knobs = {"page_split": 0.25, "max_page_tokens": 32, "min_page_tokens": 2}
+        if self.page_sizing == "fixed":
+            unused = {k: getattr(self, k) for k, d in dynamic_knobs.items() if getattr(self, k) != d}
+            if unused:
+                items = ", ".join(f"{k}={v!r}" for k, v in unused.items())
+                raise ConfigError(f"{items} set with page_sizing='fixed': they size dynamic pages; "
+                                  "set page_sizing='dynamic' too, or leave them out")  # fmt: skip
+            return
+        if self.image_tile != 2:
+            raise ConfigError(
+                f"image_tile={self.image_tile!r} set with page_sizing='dynamic', which sizes image pages itself "
+                "(max_page_tokens, min_page_tokens): leave image_tile out or use page_sizing='fixed'"
+            )
+        v = self.page_split
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v) >= 0.0:
+            raise ConfigError(f"page_split must be a number >= 0 (a share of the key spread), got {v!r}")
+        self.page_split = float(v)
+        for name in ("max_page_tokens", "min_page_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 32 or v & (v - 1):
+                raise ConfigError(f"{name} must be a power of two from 1 to 32, got {v!r}")
+        if self.min_page_tokens > self.max_page_tokens:
+            raise ConfigError(
+                f"min_page_tokens={self.min_page_tokens} is above max_page_tokens={self.max_page_tokens}"
+            )
+
+    @property
+    def sizing(self) -> PageSizing | None:
+        """The dynamic page sizing (None for fixed pages)."""
+        if self.page_sizing != "dynamic":
+            return None
+        return PageSizing(self.page_split, self.max_page_tokens, self.min_page_tokens,
+                          min(4, self.max_page_tokens))  # fmt: skip
+
+    @property
+    def max_page_len(self) -> int:
+        """The most tokens a page can hold (the sparse decode kernel's page block)."""
+        if self.page_sizing == "dynamic":
+            return max(self.max_page_tokens, self.text_page_size)
+        return max(self.image_tile**2, self.text_page_size)
 
     def _check_methods(self) -> None:
         """The method names are registered ones, each of its kind."""
@@ -167,7 +222,12 @@ class OvalConfig:
         if self.retrieval is None:
             unused = {
                 k: getattr(self, k)
-                for k, default in (("read_budget", 1.0), ("read_bytes_budget", None), ("read_scope", "image"))
+                for k, default in (
+                    ("read_budget", 1.0),
+                    ("read_bytes_budget", None),
+                    ("read_scope", "image"),
+                    ("page_sizing", "fixed"),
+                )
                 if getattr(self, k) != default
             }
             if self.retrieval_options:

@@ -26,6 +26,142 @@ class Layout:
     page_pinned: torch.Tensor  # (B, Hkv, P) bool: holds a sink or recent token (always read)
 
 
+def _tile_ids(image_rc: torch.Tensor, h: int, w: int) -> tuple[torch.Tensor, int]:
+    """(B, N) tile of each image token in a grid of h x w tiles per image (garbage elsewhere), and the
+    number of tile ids."""
+    max_rc = image_rc.clamp(min=0).amax(dim=(0, 1))  # (3,)
+    tiles_r = int(max_rc[1]) // h + 1
+    tiles_c = int(max_rc[2]) // w + 1
+    rc = image_rc.clamp(min=0)
+    tile = (rc[..., 0] * tiles_r + rc[..., 1] // h) * tiles_c + rc[..., 2] // w
+    return tile, (int(max_rc[0]) + 1) * tiles_r * tiles_c
+
+
+def fixed_labels(
+    keep: torch.Tensor, modality: torch.Tensor, image_rc: torch.Tensor, image_tile: int, text_page_size: int
+) -> tuple[torch.Tensor, int]:
+    """Fixed pages: every `text_page_size` kept text tokens in position order, image tiles of
+    image_tile x image_tile patches of one image. -> (B, Hkv, N) page label of each kept token (-1 for
+    the others) and the number of labels."""
+    B, H, N = keep.shape
+    mod = modality.unsqueeze(1).expand(B, H, N)
+    is_img = keep & (mod == IMAGE)
+    is_txt = keep & (mod == TEXT)
+    text_ord = is_txt.long().cumsum(-1) - 1  # storage order is position order
+    n_labels = -(-N // text_page_size)
+    label = torch.where(is_txt, text_ord // text_page_size, torch.full_like(text_ord, -1))
+    if bool(is_img.any()):
+        tile, n_tiles = _tile_ids(image_rc, image_tile, image_tile)
+        label = torch.where(is_img, n_labels + tile.unsqueeze(1), label)
+        n_labels += n_tiles
+    return label, n_labels
+
+
+@dataclass(frozen=True)
+class PageSizing:
+    """OVAL's page sizing: pages small where the keys (so the attention a query can give them) vary, large
+    where they are uniform, chosen at prefill per layer and KV head from the keys alone (so it does not
+    depend on a question the prompt may not hold yet).
+
+    Image pages are the leaves of a binary split of each image's patch grid: the top tiles hold
+    `max_tokens` patches (4 x 8 for 32: rows x columns), and a tile is cut in two halves (its wider side)
+    while some kept token's squared distance to the tile's mean key exceeds `split` times the head's key
+    spread (the mean squared distance of its kept image keys to their mean); tiles of `min_tokens` patches
+    are never cut. Text pages are the same over the run of kept text tokens (spread of the text keys):
+    aligned runs of `max_tokens`, halved down to `min_text_tokens`. A query's logits over an uncut page
+    differ by at most |q| * 2 sqrt(split * spread), so a page is cut where it mixes keys a query can tell
+    apart (an object's edge) and kept whole over background or an object's interior."""
+
+    split: float = 0.25
+    max_tokens: int = 32
+    min_tokens: int = 2
+    min_text_tokens: int = 4
+
+    def image_levels(self) -> list[tuple[int, int]]:
+        """Tile shapes (rows, cols) from the largest to the smallest, each nested in the one before."""
+        h = w = 1
+        while h * w * 2 <= self.max_tokens:
+            if w <= h:
+                w *= 2
+            else:
+                h *= 2
+        levels = [(h, w)]
+        while h * w > max(self.min_tokens, 1):
+            if w >= h:
+                w //= 2
+            else:
+                h //= 2
+            levels.append((h, w))
+        return levels
+
+    def text_levels(self) -> list[int]:
+        size = 1
+        while size * 2 <= self.max_tokens:
+            size *= 2
+        levels = [size]
+        while size > max(self.min_text_tokens, 1):
+            size //= 2
+            levels.append(size)
+        return levels
+
+
+def _masked_mean_key(keys: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
+    m = member.unsqueeze(-1).to(keys.dtype)
+    return (keys * m).sum(-2) / m.sum(-2).clamp_min(1.0)  # (B, H, D)
+
+
+def _tile_dispersion(keys: torch.Tensor, member: torch.Tensor, tile: torch.Tensor, n_tiles: int) -> torch.Tensor:
+    """keys (B, H, N, D) fp32, member (B, H, N) bool, tile (B, H, N) long -> (B, H, N): per token, the
+    largest squared distance of a member of its tile to the tile's mean key."""
+    B, H, N, D = keys.shape
+    t = tile.clamp(min=0)
+    m = member.unsqueeze(-1).to(keys.dtype)
+    total = keys.new_zeros(B, H, n_tiles, D).scatter_add_(2, t.unsqueeze(-1).expand(B, H, N, D), keys * m)
+    count = keys.new_zeros(B, H, n_tiles).scatter_add_(2, t, member.to(keys.dtype))
+    mean = total / count.clamp_min(1.0).unsqueeze(-1)
+    dist = (keys - mean.gather(2, t.unsqueeze(-1).expand(B, H, N, D))).square().sum(-1)
+    worst = keys.new_zeros(B, H, n_tiles).scatter_reduce_(2, t, dist * member, reduce="amax")
+    return worst.gather(2, t)
+
+
+def dynamic_labels(
+    keys: torch.Tensor, keep: torch.Tensor, modality: torch.Tensor, image_rc: torch.Tensor, sizing: PageSizing
+) -> tuple[torch.Tensor, int]:
+    """OVAL's page sizing (see `PageSizing`): keys (B, Hkv, N, D) of the prompt -> (B, Hkv, N) page label of
+    each kept token (-1 for the others) and the number of labels. Each token goes to the largest tile of its
+    ancestry that is not cut (or the smallest tile)."""
+    B, H, N = keep.shape
+    k = keys.float()
+    mod = modality.unsqueeze(1).expand(B, H, N)
+    label = torch.full((B, H, N), -1, dtype=torch.long, device=keep.device)
+    offset = 0
+
+    def assign(member: torch.Tensor, tiles: list[tuple[torch.Tensor, int]]) -> None:
+        nonlocal label, offset
+        mu = _masked_mean_key(k, member)
+        spread = ((k - mu.unsqueeze(-2)).square().sum(-1) * member).sum(-1) / member.sum(-1).clamp_min(1)
+        limit = (sizing.split * spread).unsqueeze(-1)  # (B, H, 1)
+        todo = member.clone()
+        for i, (tile, n_tiles) in enumerate(tiles):
+            last = i == len(tiles) - 1
+            accept = todo if last else todo & (_tile_dispersion(k, member, tile, n_tiles) <= limit)
+            label = torch.where(accept, offset + tile, label)
+            todo &= ~accept
+            offset += n_tiles
+
+    is_txt = keep & (mod == TEXT)  # text: aligned runs of the kept text tokens, halved
+    text_ord = (is_txt.long().cumsum(-1) - 1).clamp(min=0)
+    assign(is_txt, [(text_ord // size, N // size + 1) for size in sizing.text_levels()])
+    is_img = keep & (mod == IMAGE)  # image: nested tiles of each image's grid
+    if bool(is_img.any()):
+        levels = []
+        for h, w in sizing.image_levels():
+            tile, n_tiles = _tile_ids(image_rc, h, w)
+            levels.append((tile.unsqueeze(1).expand(B, H, N), n_tiles))
+        assign(is_img, levels)
+    return label, offset
+
+
 def layout_pages(
     keep: torch.Tensor,
     modality: torch.Tensor,
@@ -34,30 +170,18 @@ def layout_pages(
     protected: torch.Tensor,
     image_tile: int,
     text_page_size: int,
+    labels: tuple[torch.Tensor, int] | None = None,
 ) -> Layout:
-    """keep (B, Hkv, N) bool; modality/positions/protected (B, N); image_rc (B, N, 3)."""
+    """keep (B, Hkv, N) bool; modality/positions/protected (B, N); image_rc (B, N, 3). The pages are the
+    fixed ones (`fixed_labels`) unless `labels` gives each kept token's page label and the number of
+    labels (`dynamic_labels`)."""
     B, H, N = keep.shape
     device = keep.device
     mod = modality.unsqueeze(1).expand(B, H, N)
-    is_img = keep & (mod == IMAGE)
-    is_txt = keep & (mod == TEXT)
-
-    # text pages: every `text_page_size` kept text tokens, in position order (storage order is position order)
-    text_ord = is_txt.long().cumsum(-1) - 1
-    n_text_labels = -(-N // text_page_size)
-    label = torch.where(is_txt, text_ord // text_page_size, torch.full_like(text_ord, -1))
-
-    # image pages: tiles of image_tile x image_tile patches of one image
-    rc = image_rc.unsqueeze(1).expand(B, H, N, 3)
-    if bool(is_img.any()):
-        max_rc = image_rc.clamp(min=0).amax(dim=(0, 1))  # (3,)
-        tiles_r = int(max_rc[1]) // image_tile + 1
-        tiles_c = int(max_rc[2]) // image_tile + 1
-        tile = (rc[..., 0] * tiles_r + rc[..., 1] // image_tile) * tiles_c + rc[..., 2] // image_tile
-        label = torch.where(is_img, n_text_labels + tile, label)
-        n_labels = n_text_labels + (int(max_rc[0]) + 1) * tiles_r * tiles_c
-    else:
-        n_labels = n_text_labels
+    if labels is None:
+        labels = fixed_labels(keep, modality, image_rc, image_tile, text_page_size)
+    label, n_labels = labels
+    label = torch.where(keep, label, torch.full_like(label, -1))
 
     kept = label >= 0
     safe_label = label.clamp(min=0)
