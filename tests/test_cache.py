@@ -410,13 +410,14 @@ def test_unknown_retrieval_lists_the_known_ones(model_and_processor):
 
 
 @pytest.mark.parametrize("read_budget", [1.0, 0.3])
-def test_the_kernel_decode_path_equals_the_sdpa_path(model_and_processor, read_budget):
+@pytest.mark.parametrize("sizing", [{}, {"page_sizing": "dynamic", "page_split": 0.5}])
+def test_the_kernel_decode_path_equals_the_sdpa_path(model_and_processor, read_budget, sizing):
     """mm_oval.kernels.sparse_paged_decode (its torch reference on CPU) over the pages read gives what
-    SDPA with the per-head slot mask gives."""
+    SDPA with the per-head slot mask gives, with fixed pages and with dynamic ones (1-32 tokens)."""
     model, processor = model_and_processor
     inputs = _inputs(processor)
     mm_oval.wrap(
-        model, method="h2o", budget=0.5, retrieval="quest", read_budget=read_budget, text_page_size=4
+        model, method="h2o", budget=0.5, retrieval="quest", read_budget=read_budget, text_page_size=4, **sizing
     )
     cache = prefill(model, **inputs)
     for layer in cache.layers:
