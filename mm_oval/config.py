@@ -74,11 +74,13 @@ class OvalConfig:
     # "fixed": image_tile x image_tile image pages and text_page_size text pages; "dynamic": OVAL's page
     # sizing (mm_oval.pages.PageSizing), chosen at prefill per layer and KV head from the keys: pages of
     # min_page_tokens to max_page_tokens tokens, cut while a key lies further from its page's mean key than
-    # page_split times the head's key spread (generated text still goes in text_page_size pages)
+    # page_split times the head's key spread, the most spread first, at most one page per mean_page_tokens
+    # kept tokens (the summaries' cost of fixed pages that size); generated text goes in text_page_size pages
     page_sizing: str = "fixed"
-    page_split: float = 0.25
+    page_split: float = 0.05
     max_page_tokens: int = 32
     min_page_tokens: int = 2
+    mean_page_tokens: int = 16
     chunk_size: int = 512
     # the former names of the two scopes: refused with the new ones (not fields: never stored)
     scope: InitVar[Any] = None
@@ -139,7 +141,7 @@ class OvalConfig:
     def _check_page_sizing(self) -> None:
         if self.page_sizing not in PAGE_SIZINGS:
             raise ConfigError(f"page_sizing={self.page_sizing!r} is not one of {PAGE_SIZINGS}")
-        dynamic_knobs = {"page_split": 0.25, "max_page_tokens": 32, "min_page_tokens": 2}
+        dynamic_knobs = {"page_split": 0.05, "max_page_tokens": 32, "min_page_tokens": 2, "mean_page_tokens": 16}
         if self.page_sizing == "fixed":
             unused = {k: getattr(self, k) for k, d in dynamic_knobs.items() if getattr(self, k) != d}
             if unused:
@@ -160,6 +162,9 @@ class OvalConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 32 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two from 1 to 32, got {v!r}")
+        v = self.mean_page_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"mean_page_tokens must be an int >= 1 (kept tokens per page), got {v!r}")
         if self.min_page_tokens > self.max_page_tokens:
             raise ConfigError(
                 f"min_page_tokens={self.min_page_tokens} is above max_page_tokens={self.max_page_tokens}"
@@ -171,7 +176,7 @@ class OvalConfig:
         if self.page_sizing != "dynamic":
             return None
         return PageSizing(self.page_split, self.max_page_tokens, self.min_page_tokens,
-                          min(4, self.max_page_tokens))  # fmt: skip
+                          min(4, self.max_page_tokens), self.mean_page_tokens)  # fmt: skip
 
     @property
     def max_page_len(self) -> int:

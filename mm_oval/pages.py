@@ -67,15 +67,19 @@ class PageSizing:
     `max_tokens` patches (4 x 8 for 32: rows x columns), and a tile is cut in two halves (its wider side)
     while some kept token's squared distance to the tile's mean key exceeds `split` times the head's key
     spread (the mean squared distance of its kept image keys to their mean); tiles of `min_tokens` patches
-    are never cut. Text pages are the same over the run of kept text tokens (spread of the text keys):
-    aligned runs of `max_tokens`, halved down to `min_text_tokens`. A query's logits over an uncut page
+    are never cut. Pages cost their summaries, scanned at every step whichever pages are read, so a head
+    gets at most one page per `mean_tokens` kept tokens (what fixed pages of that size cost): the
+    threshold rises above `split` until it does, so the tiles whose keys spread most are the ones cut. Text pages are the same over
+    the run of kept text tokens (spread of the text keys): aligned runs of `max_tokens`, halved down to
+    `min_text_tokens`. A query's logits over an uncut page
     differ by at most |q| * 2 sqrt(split * spread), so a page is cut where it mixes keys a query can tell
     apart (an object's edge) and kept whole over background or an object's interior."""
 
-    split: float = 0.25
+    split: float = 0.05
     max_tokens: int = 32
     min_tokens: int = 2
     min_text_tokens: int = 4
+    mean_tokens: int = 16
 
     def image_levels(self) -> list[tuple[int, int]]:
         """Tile shapes (rows, cols) from the largest to the smallest, each nested in the one before."""
@@ -110,9 +114,11 @@ def _masked_mean_key(keys: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
     return (keys * m).sum(-2) / m.sum(-2).clamp_min(1.0)  # (B, H, D)
 
 
-def _tile_dispersion(keys: torch.Tensor, member: torch.Tensor, tile: torch.Tensor, n_tiles: int) -> torch.Tensor:
-    """keys (B, H, N, D) fp32, member (B, H, N) bool, tile (B, H, N) long -> (B, H, N): per token, the
-    largest squared distance of a member of its tile to the tile's mean key."""
+def _tile_dispersion(
+    keys: torch.Tensor, member: torch.Tensor, tile: torch.Tensor, n_tiles: int
+) -> torch.Tensor:
+    """keys (B, H, N, D) fp32, member (B, H, N) bool, tile (B, H, N) long -> (B, H, n_tiles): per tile, the
+    largest squared distance of a member to the tile's mean key."""
     B, H, N, D = keys.shape
     t = tile.clamp(min=0)
     m = member.unsqueeze(-1).to(keys.dtype)
@@ -120,8 +126,13 @@ def _tile_dispersion(keys: torch.Tensor, member: torch.Tensor, tile: torch.Tenso
     count = keys.new_zeros(B, H, n_tiles).scatter_add_(2, t, member.to(keys.dtype))
     mean = total / count.clamp_min(1.0).unsqueeze(-1)
     dist = (keys - mean.gather(2, t.unsqueeze(-1).expand(B, H, N, D))).square().sum(-1)
-    worst = keys.new_zeros(B, H, n_tiles).scatter_reduce_(2, t, dist * member, reduce="amax")
-    return worst.gather(2, t)
+    return keys.new_zeros(B, H, n_tiles).scatter_reduce_(2, t, dist * member, reduce="amax")
+
+
+def _present(tokens: torch.Tensor, tile: torch.Tensor, n_tiles: int) -> torch.Tensor:
+    """(B, H, N) bool tokens, (B, H, N) tile -> (B, H, n_tiles) bool: the tile holds one of the tokens."""
+    out = torch.zeros(*tokens.shape[:2], n_tiles, dtype=torch.long, device=tokens.device)
+    return out.scatter_reduce_(2, tile.clamp(min=0), tokens.long(), reduce="amax").bool()
 
 
 def dynamic_labels(
@@ -140,14 +151,37 @@ def dynamic_labels(
         nonlocal label, offset
         mu = _masked_mean_key(k, member)
         spread = ((k - mu.unsqueeze(-2)).square().sum(-1) * member).sum(-1) / member.sum(-1).clamp_min(1)
-        limit = (sizing.split * spread).unsqueeze(-1)  # (B, H, 1)
-        todo = member.clone()
-        for i, (tile, n_tiles) in enumerate(tiles):
-            last = i == len(tiles) - 1
-            accept = todo if last else todo & (_tile_dispersion(k, member, tile, n_tiles) <= limit)
-            label = torch.where(accept, offset + tile, label)
-            todo &= ~accept
-            offset += n_tiles
+        spread = spread.clamp_min(1e-30).unsqueeze(-1)  # (B, H, 1)
+        # per level, each tile's dispersion as a share of the head's spread (the last level is never cut)
+        disp = [_tile_dispersion(k, member, t, n) / spread for t, n in tiles[:-1]]
+
+        def cut(threshold: torch.Tensor):
+            """-> per level the tokens that stay in that level's tile, and the page count per head."""
+            todo, stays, pages = member, [], 0
+            for i, (t, n) in enumerate(tiles):
+                if i < len(disp):
+                    over = disp[i] > threshold.unsqueeze(-1)
+                    accept = todo & ~over.gather(-1, t.clamp(min=0))
+                else:
+                    accept = todo
+                stays.append(accept)
+                pages = pages + _present(accept, t, n).sum(-1)
+                todo = todo & ~accept
+            return stays, pages
+
+        # the least threshold (per head, at least `split`) that keeps the head within its pages: the tiles
+        # whose keys spread most are cut first (bisection on the page count, which falls as it grows)
+        most = -(-member.sum(-1) // sizing.mean_tokens)
+        lo = torch.zeros_like(spread[..., 0])
+        hi = torch.stack([d.amax(-1) for d in disp], -1).amax(-1) + 1.0 if disp else lo + 1.0
+        for _ in range(24):
+            mid = (lo + hi) / 2
+            fits = cut(mid)[1] <= most
+            hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
+        stays, _ = cut(hi.clamp_min(sizing.split))
+        for (t, n), accept in zip(tiles, stays):
+            label = torch.where(accept, offset + t, label)
+            offset += n
 
     is_txt = keep & (mod == TEXT)  # text: aligned runs of the kept text tokens, halved
     text_ord = (is_txt.long().cumsum(-1) - 1).clamp(min=0)

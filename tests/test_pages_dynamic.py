@@ -62,7 +62,7 @@ def test_pages_are_cut_around_an_object_and_kept_whole_over_background():
     obj = [N_TEXT_HEAD + r * GRID + c for r in (2, 3) for c in (2, 3)]
     keys[0, 0, obj, 0] = 5.0  # head 0 sees an object at rows 2-3, cols 2-3; head 1 sees uniform keys
     keep = torch.ones(1, 2, n, dtype=torch.bool)
-    lay, _ = _pages(keys, keep, PageSizing(max_tokens=16, min_tokens=2))
+    lay, _ = _pages(keys, keep, PageSizing(max_tokens=16, min_tokens=2, mean_tokens=4))
     pages0 = _page_tokens(lay, 0, 0)
     for toks in pages0.values():  # no page mixes the object with the background
         inside = [t in obj for t in toks]
@@ -83,20 +83,30 @@ def test_pages_are_cut_around_an_object_and_kept_whole_over_background():
     max_tokens=st.sampled_from([4, 8, 16, 32]),
     min_tokens=st.sampled_from([1, 2, 4]),
     keep_share=st.sampled_from([1.0, 0.6]),
+    mean_tokens=st.sampled_from([1, 4, 16]),
 )
-def test_dynamic_pages_partition_the_kept_tokens_into_nested_tiles(seed, split, max_tokens, min_tokens, keep_share):
+def test_dynamic_pages_partition_the_kept_tokens_into_nested_tiles(
+    seed, split, max_tokens, min_tokens, keep_share, mean_tokens
+):
     min_tokens = min(min_tokens, max_tokens)
     g = torch.Generator().manual_seed(seed)
     n = N_TEXT_HEAD + GRID * GRID + N_TEXT_TAIL
     # blocky keys: a few distinct values so some tiles are uniform and some are not
     keys = torch.randint(0, 3, (2, 2, n, 4), generator=g).float()
     keep = torch.rand(2, 2, n, generator=g) < keep_share
-    sizing = PageSizing(split=split, max_tokens=max_tokens, min_tokens=min_tokens)
+    sizing = PageSizing(split=split, max_tokens=max_tokens, min_tokens=min_tokens, mean_tokens=mean_tokens)
     lay, rc = _pages(keys, keep, sizing)
     levels = sizing.image_levels()
+    top = PageSizing(split=1e9, max_tokens=max_tokens, min_tokens=min_tokens)  # never cuts: the top tiles
+    lay_top, _ = _pages(keys, keep, top)
     for b in range(2):
         for h in range(2):
             pages = _page_tokens(lay, b, h)
+            for kind in (IMAGE, TEXT):  # at most one page per mean_tokens kept tokens, or the uncut tiles
+                n = int((lay.page_kind[b, h] == kind).sum())
+                kept = int(lay.page_len[b, h][lay.page_kind[b, h] == kind].sum())
+                n_top = int((lay_top.page_kind[b, h] == kind).sum())
+                assert n <= max(-(-kept // mean_tokens), n_top)
             seen = sorted(t for toks in pages.values() for t in toks)
             assert seen == keep[b, h].nonzero().flatten().tolist()  # every kept token once
             for toks in pages.values():
@@ -109,7 +119,7 @@ def test_dynamic_pages_partition_the_kept_tokens_into_nested_tiles(seed, split, 
                         len({r // th for r in rows}) == 1 and len({c // tw for c in cols}) == 1
                         for th, tw in levels
                     )
-                    if split == 0.0 and len(toks) > 1:  # nothing merges unless its keys are equal
+                    if split == 0.0 and mean_tokens == 1 and len(toks) > 1:  # only equal keys share a page
                         assert len({tuple(keys[b, h, t].tolist()) for t in toks}) == 1 or len(toks) <= min_tokens
                 else:
                     assert not any(N_TEXT_HEAD <= t < N_TEXT_HEAD + GRID * GRID for t in toks)
