@@ -382,10 +382,13 @@ class PagedLayer(CacheLayerMixin):
         B, H, used, D = self.keys.shape
         P = self.page_len.shape[-1]
         old = (self._k, self._v, self._valid, self._pstart, self._plen, self._pkind, self._ppinned)
+        old_page = self._page
         cap = max(need, self.prompt_slots + 2 * (self._cap - self.prompt_slots))
         self._alloc(cap, self._k.dtype, self._k.device, B, H, D)
         self._k[:, :, :used], self._v[:, :, :used] = old[0][:, :, :used], old[1][:, :, :used]
         self._valid[..., :used] = old[2][..., :used]
+        # the prompt slots' pages (the decode slots' pages follow from their place, set by _alloc)
+        self._page[..., : self.prompt_slots] = old_page[..., : self.prompt_slots]
         for new_t, old_t in zip((self._pstart, self._plen, self._pkind, self._ppinned), old[3:]):
             new_t[..., :P] = old_t[..., :P]
 

@@ -442,9 +442,12 @@ def test_storage_grows_in_place_during_long_decodes(model_and_processor):
     g = torch.Generator().manual_seed(0)
     new_k, new_v = torch.randn(B, H, 150, D, generator=g), torch.randn(B, H, 150, D, generator=g)
     before = layer.keys.clone()
+    pages_before = layer.slot_page.clone()
     for t in range(150):
         layer.update(new_k[:, :, t : t + 1], new_v[:, :, t : t + 1])
     assert layer.keys.shape[2] == L0 + 150 and layer._cap >= L0 + 150
+    # the prompt slots keep their pages (what retrieval's read mask and the bytes read go by)
+    assert torch.equal(layer.slot_page[..., :L0], pages_before[..., :L0])
     torch.testing.assert_close(layer.keys[:, :, :L0], before)
     torch.testing.assert_close(layer.keys[:, :, L0:], new_k)
     torch.testing.assert_close(layer.values[:, :, L0:], new_v)
