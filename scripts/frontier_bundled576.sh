@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Quality against the bytes a decode step reads, on the 576-token bundled benchmark: each retrieval method
+# at 5 / 10 / 25 / 50% of dense attention's bytes per step (read_bytes_budget: summaries scanned + KV of
+# the pages selected + always-read pages, against every resident slot), in three settings: single
+# questions with the image compressed before the question (VQAv2), the long-answer object list, and
+# conversations of 4 questions about one image. 3 sinks, no recent window, text pages always read.
+# Methods: Quest, LOCKS and OVAL with fixed pages (2x2 and 4x4 tiles) and dynamic ones (OVAL's sizing),
+# float and compact summaries, and router v2 when its bundled weights exist. Each cell resumes; tables
+# and plots land in docs/results/frontier_*_576.md / .png. First questions of each dev set only (VQAv2
+# 80 = 10 per type, lists 20, conversations 40 = 10 of 4); LIMIT_VQA, LIMIT_LIST, LIMIT_MT change that.
+#
+#   scripts/frontier_bundled576.sh
+set -euo pipefail
+BIN=${BIN:-.venv/bin}
+OUT=${OUT:-runs/frontier576}
+BUDGETS=${BUDGETS:-0.05,0.1,0.25,0.5}
+mkdir -p "$OUT" docs/results
+O=sink_tokens=3,recent_tokens=0,read_bytes_budget
+D=page_sizing=dynamic
+C=summary_format=compact
+if [ -z "${METHODS:-}" ]; then
+    METHODS=(quest:$O quest:$O,image_tile=4 quest:$O,$D quest:$O,$D,$C
+             oval:$O,image_tile=4 oval:$O,$D oval:$O,image_tile=4,$C oval:$O,$D,$C locks:$O,$D,$C
+             ${EXTRA_METHODS:-})
+else
+    read -r -a METHODS <<< "$METHODS"
+fi
+run() {  # name, then the sweep's arguments
+    local name=$1; shift
+    OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model bundled576 --data bundled576 \
+        --budgets "$BUDGETS" --no-progress --out "$OUT/$name" --methods "${METHODS[@]}" "$@" \
+        > "$OUT/$name.log" 2>&1
+    cp "$OUT/$name/sweep.md" "docs/results/frontier_${name}_576.md"
+    cp "$OUT/$name/sweep.png" "docs/results/frontier_${name}_576.png"
+}
+run vqav2_compress_image --task vqav2 --compress image --limit "${LIMIT_VQA:-80}" --batch-size 20 &
+run objlist_compress_image --task objlist --compress image --limit "${LIMIT_LIST:-20}" --batch-size 10 &
+run vqav2_multi_turn4 --task vqav2 --multi-turn 4 --limit "${LIMIT_MT:-40}" &
+wait
