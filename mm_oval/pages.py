@@ -65,15 +65,15 @@ class PageSizing:
 
     Image pages are the leaves of a binary split of each image's patch grid: the top tiles hold
     `max_tokens` patches (4 x 8 for 32: rows x columns), and a tile is cut in two halves (its wider side)
-    while some kept token's squared distance to the tile's mean key exceeds `split` times the head's key
-    spread (the mean squared distance of its kept image keys to their mean); tiles of `min_tokens` patches
-    are never cut. Pages cost their summaries, scanned at every step whichever pages are read, so a head
-    gets at most one page per `mean_tokens` kept tokens (what fixed pages of that size cost): the
-    threshold rises above `split` until it does, so the tiles whose keys spread most are the ones cut. Text pages are the same over
-    the run of kept text tokens (spread of the text keys): aligned runs of `max_tokens`, halved down to
-    `min_text_tokens`. A query's logits over an uncut page
-    differ by at most |q| * 2 sqrt(split * spread), so a page is cut where it mixes keys a query can tell
-    apart (an object's edge) and kept whole over background or an object's interior."""
+    while some kept token's squared distance to the tile's mean key exceeds a threshold times the head's
+    key spread (the mean squared distance of its kept image keys to their mean); tiles of `min_tokens`
+    patches are never cut. A query's logits over an uncut page differ by at most 2 |q| sqrt(threshold x
+    spread), so a page is cut where it mixes keys a query can tell apart (an object's edge) and kept
+    whole over background or an object's interior. Pages cost their summaries, scanned at every step
+    whichever pages are read, so a head gets at most one page per `mean_tokens` kept tokens (what fixed
+    pages of that size cost): the threshold rises from `split` until the head fits, so the tiles whose
+    keys spread most are the ones cut. Text pages are the same over the run of kept text tokens (spread
+    of the text keys): aligned runs of `max_tokens`, halved down to `min_text_tokens`."""
 
     split: float = 0.05
     max_tokens: int = 32
