@@ -136,12 +136,24 @@ def _present(tokens: torch.Tensor, tile: torch.Tensor, n_tiles: int) -> torch.Te
 
 
 def dynamic_labels(
-    keys: torch.Tensor, keep: torch.Tensor, modality: torch.Tensor, image_rc: torch.Tensor, sizing: PageSizing
+    keys: torch.Tensor,
+    keep: torch.Tensor,
+    modality: torch.Tensor,
+    image_rc: torch.Tensor,
+    sizing: PageSizing,
+    head_chunk: int = 4,
 ) -> tuple[torch.Tensor, int]:
     """OVAL's page sizing (see `PageSizing`): keys (B, Hkv, N, D) of the prompt -> (B, Hkv, N) page label of
     each kept token (-1 for the others) and the number of labels. Each token goes to the largest tile of its
-    ancestry that is not cut (or the smallest tile)."""
+    ancestry that is not cut (or the smallest tile). KV heads go `head_chunk` at a time (the fp32
+    temporaries stay below a few copies of `head_chunk` heads' keys)."""
     B, H, N = keep.shape
+    if H > head_chunk:
+        parts = [
+            dynamic_labels(keys[:, h : h + head_chunk], keep[:, h : h + head_chunk], modality, image_rc, sizing)
+            for h in range(0, H, head_chunk)
+        ]
+        return torch.cat([p[0] for p in parts], 1), parts[0][1]
     k = keys.float()
     mod = modality.unsqueeze(1).expand(B, H, N)
     label = torch.full((B, H, N), -1, dtype=torch.long, device=keep.device)

@@ -186,3 +186,15 @@ def test_dynamic_pages_read_in_full_change_nothing_and_a_bytes_budget_is_kept(ti
     assert br["over_budget"] == 0
     assert br["total"]["image"]["selected"] > 0
     assert br["read_vs_dense"] <= 0.6 + 1e-9
+
+
+def test_heads_sized_in_chunks_get_the_pages_they_get_alone():
+    g = torch.Generator().manual_seed(1)
+    n = N_TEXT_HEAD + GRID * GRID + N_TEXT_TAIL
+    keys = torch.randint(0, 3, (2, 6, n, 4), generator=g).float()
+    keep = torch.rand(2, 6, n, generator=g) < 0.8
+    mod, _, rc, _ = _prompt(2)
+    sizing = PageSizing(mean_tokens=4)
+    whole, n_whole = dynamic_labels(keys, keep, mod, rc, sizing, head_chunk=6)
+    chunked, n_chunked = dynamic_labels(keys, keep, mod, rc, sizing, head_chunk=4)
+    assert n_whole == n_chunked and torch.equal(whole, chunked)
