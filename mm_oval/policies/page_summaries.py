@@ -160,3 +160,148 @@ def key_bounds(keys: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tens
     kmax = k.masked_fill(~m, float("-inf")).amax(-2)
     empty = ~token_mask.any(-1, keepdim=True)
     return kmin.masked_fill(empty, 0.0), kmax.masked_fill(empty, 0.0)
+
+
+# ---- compact summaries: the records stored quantised ----------------------------------------------------
+#
+# Symmetric round-to-nearest quantisers with fp16 scales, and the compact LOCKS / OVAL and Quest records built
+# from them. A scale is the largest magnitude it covers over the largest level (7 for int4, 127 for int8), made
+# fp16 and rounded up, so that no value falls outside the levels; a group that is all zero has scale 0.
+# Bytes of one page of the compact LOCKS / OVAL record (`compact_basis_bytes`), D channels, rank r, T tokens:
+#   basis     ceil(D/2) r  (int4, two per byte)  + 2 r  (one fp16 scale per basis column)
+#   coef      T r          (int8, real tokens)   + 2    (one fp16 scale per page)
+#   centroid  D            (int8)                + 2    (one fp16 scale per page)
+
+INT4_LEVEL = 7
+INT8_LEVEL = 127
+SUMMARY_FORMATS = ("float", "compact")
+
+
+def check_summary_format(method: str, value: object) -> str:
+    """The `summary_format` retrieval option of LOCKS, OVAL and Quest: one of SUMMARY_FORMATS."""
+    if value not in SUMMARY_FORMATS:
+        choices = ", ".join(repr(f) for f in SUMMARY_FORMATS)
+        raise ConfigError(
+            f"{method}: retrieval option summary_format must be one of {choices}, got {value!r} "
+            "(pass e.g. retrieval_options={'summary_format': 'compact'})"
+        )
+    return str(value)
+
+
+def _fp16_scale(amax: torch.Tensor, level: int) -> torch.Tensor:
+    """The smallest-but-safe fp16 scale for a group of largest magnitude amax: level * scale >= amax (the
+    product is exact in fp32), 0 only when amax is 0; groups beyond 65504 * level saturate at 65504."""
+    a = amax.float()
+    s = (a / level).clamp(max=65504.0).to(torch.float16)
+    for _ in range(2):  # fp16 (and the fp32 quotient) round to nearest: step up to the next fp16 where short
+        short = (s.float() * level < a) & (s < 65504.0)
+        s = torch.where(short, (s.view(torch.int16) + 1).view(torch.float16), s)
+    return s
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    s = scale.float()
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def quantize_int4_columns(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Basis (..., D, r) -> packed (..., ceil(D/2), r) uint8 and scale (..., r) fp16, one scale per column.
+
+    Each entry is round(x / scale) in [-7, 7] (symmetric, round to nearest), stored as the nibble x + 8;
+    byte j of a column holds rows 2j (low nibble) and 2j + 1 (high nibble); an odd D is padded with a zero
+    row. ceil(D/2) r + 2 r bytes; `dequantize_int4_columns` undoes it to within scale / 2 per entry."""
+    x = basis.float()
+    d = x.shape[-2]
+    scale = _fp16_scale(x.abs().amax(-2), INT4_LEVEL)  # (..., r)
+    q = torch.round(x / _safe(scale).unsqueeze(-2)).clamp(-INT4_LEVEL, INT4_LEVEL)
+    q = (q + 8).to(torch.uint8)  # 1 .. 15
+    if d % 2:
+        q = torch.nn.functional.pad(q, (0, 0, 0, 1), value=8)
+    packed = q[..., 0::2, :] | (q[..., 1::2, :] << 4)
+    return packed, scale
+
+
+def dequantize_int4_columns(packed: torch.Tensor, scale: torch.Tensor, d: int) -> torch.Tensor:
+    """Inverse of `quantize_int4_columns`: packed (..., ceil(D/2), r) uint8, scale (..., r) -> (..., D, r) fp32."""
+    lo = (packed & 0x0F).to(torch.int8) - 8
+    hi = (packed >> 4).to(torch.int8) - 8
+    q = torch.stack([lo, hi], -2).flatten(-3, -2)[..., :d, :]  # rows 0, 1, 2, ... interleaved back
+    return q.float() * scale.float().unsqueeze(-2)
+
+
+def quantize_int8(x: torch.Tensor, group_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., *group) -> int8 of x's shape and scale (...) fp16: one scale per group of the last `group_dims`
+    dims, round(x / scale) in [-127, 127]. numel + 2 bytes per group; back within scale / 2 per entry."""
+    xf = x.float()
+    dims = tuple(range(-group_dims, 0))
+    scale = _fp16_scale(xf.abs().amax(dims), INT8_LEVEL)
+    s = _safe(scale).reshape(*scale.shape, *([1] * group_dims))
+    return torch.round(xf / s).clamp(-INT8_LEVEL, INT8_LEVEL).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_int8`: q (..., *group) int8, scale (...) -> fp32 of q's shape."""
+    extra = q.dim() - scale.dim()
+    return q.float() * scale.float().reshape(*scale.shape, *([1] * extra))
+
+
+def compact_page_bases(
+    centroid: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The compact LOCKS / OVAL record of pages: centroid (..., P, D), basis (..., P, D, r), coef (..., P, T, r)
+    (rows past a page's tokens zero) -> {mu_q (..., P, D) int8, mu_scale (..., P) fp16, basis_q
+    (..., P, ceil(D/2), r) uint8, basis_scale (..., P, r) fp16, coef_q (..., P, T, r) int8, coef_scale (..., P)
+    fp16}: the centroid int8 with one scale per page, the basis int4 with one scale per column, the
+    coefficients int8 with one scale per page. Bytes read per page: `compact_basis_bytes`."""
+    mu_q, mu_scale = quantize_int8(centroid, 1)
+    basis_q, basis_scale = quantize_int4_columns(basis)
+    coef_q, coef_scale = quantize_int8(coef, 2)
+    return {
+        "mu_q": mu_q,
+        "mu_scale": mu_scale,
+        "basis_q": basis_q,
+        "basis_scale": basis_scale,
+        "coef_q": coef_q,
+        "coef_scale": coef_scale,
+    }
+
+
+def expand_page_bases(record: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `compact_page_bases`: (centroid, basis, coef) in fp32, the page-scoring kernel's layout."""
+    mu = dequantize_int8(record["mu_q"], record["mu_scale"])
+    basis = dequantize_int4_columns(record["basis_q"], record["basis_scale"], mu.shape[-1])
+    return mu, basis, dequantize_int8(record["coef_q"], record["coef_scale"])
+
+
+def compact_basis_bytes(d: int, r: int, page_len: torch.Tensor) -> torch.Tensor:
+    """Bytes of a page's compact LOCKS / OVAL record that scoring reads: the packed basis and its column
+    scales, the int8 coefficients of the page's `page_len` tokens and their scale, the int8 centroid and its
+    scale (the coefficient rows padding a page are not read)."""
+    return (d + 1) // 2 * r + 2 * r + page_len.long() * r + 2 + d + 2
+
+
+def compact_key_bounds(kmin: torch.Tensor, kmax: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Quest's compact record: kmin, kmax (..., P, D) -> {kmin_q, kmax_q (..., P, D) int8, bound_scale (..., P)
+    fp16}, one scale per page for both, rounded outward (kmin down, kmax up: dequantised, kmin_q s <= kmin
+    and kmax_q s >= kmax exactly), so the bound scale * sum_c max(q_c kmin_c, q_c kmax_c) stays an upper bound
+    of scale * q . k for every key of the page. 2 D + 2 bytes per page."""
+    lo, hi = kmin.float(), kmax.float()
+    scale = _fp16_scale(torch.maximum(lo.abs().amax(-1), hi.abs().amax(-1)), INT8_LEVEL)
+    s = _safe(scale).unsqueeze(-1)
+    qlo = torch.floor(lo / s)
+    qlo = torch.where(qlo * s > lo, qlo - 1, qlo)  # a division rounded up: one level further out
+    qhi = torch.ceil(hi / s)
+    qhi = torch.where(qhi * s < hi, qhi + 1, qhi)
+    zero = (scale == 0).unsqueeze(-1)
+    qlo, qhi = qlo.masked_fill(zero, 0.0), qhi.masked_fill(zero, 0.0)
+    return {
+        "kmin_q": qlo.clamp(-128, 127).to(torch.int8),
+        "kmax_q": qhi.clamp(-128, 127).to(torch.int8),
+        "bound_scale": scale,
+    }
+
+
+def expand_key_bounds(record: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `compact_key_bounds`: (kmin, kmax) fp32, each at or beyond the stored bound."""
+    s = record["bound_scale"]
+    return dequantize_int8(record["kmin_q"], s), dequantize_int8(record["kmax_q"], s)

@@ -15,7 +15,14 @@ import torch
 from ..errors import ConfigError
 from ..kernels import page_score_lowrank
 from .base import DecodeContext, PageBatch, RetrievalPolicy, register_retrieval
-from .page_summaries import layer_output_metric, page_bases
+from .page_summaries import (
+    check_summary_format,
+    compact_basis_bytes,
+    compact_page_bases,
+    expand_page_bases,
+    layer_output_metric,
+    page_bases,
+)
 
 
 def mean_over_queries(per_query: list[torch.Tensor]) -> torch.Tensor:
@@ -33,6 +40,7 @@ class _BasisRetrieval(RetrievalPolicy):
     rank: int = 8
     eta: float = 0.0
     max_page_tokens: int = 32  # page capacity T of the stored coefficients (pages are padded to it)
+    summary_format: str = "float"  # "compact": int4 basis, int8 coefficients and centroid (docs/oval.md)
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -42,6 +50,7 @@ class _BasisRetrieval(RetrievalPolicy):
         if isinstance(self.max_page_tokens, bool) or not isinstance(self.max_page_tokens, int):
             raise ConfigError(f"{self.name}: max_page_tokens must be an int, got {self.max_page_tokens!r}")
         self.eta = float(self.eta)
+        self.summary_format = check_summary_format(self.name, self.summary_format)
         self._metrics: dict = {}
 
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
@@ -60,19 +69,29 @@ class _BasisRetrieval(RetrievalPolicy):
             pages.keys, pages.mask, rank=self.rank, eta=self.eta, values=pages.values, metric=metric
         )
         coef = torch.nn.functional.pad(s.coeffs, (0, 0, 0, self.max_page_tokens - t))
+        if self.summary_format == "compact":
+            return compact_page_bases(s.centroid, s.basis, coef)
         return {"mu": s.centroid, "basis": s.basis, "coef": coef}
 
     def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
         """Per page: the centroid (D) and basis (D r) and the coefficients of its real tokens (T r), in the
-        summaries' dtype; the coefficient rows padding a page to max_page_tokens are not read."""
+        summaries' dtype; the coefficient rows padding a page to max_page_tokens are not read. Compact
+        records: `page_summaries.compact_basis_bytes` (packed basis, int8 coefficients and centroid, scales)."""
+        if self.summary_format == "compact":
+            mu_q, basis_q = summaries["mu_q"], summaries["basis_q"]
+            return compact_basis_bytes(mu_q.shape[-1], basis_q.shape[-1], page_len)
         basis = summaries["basis"]
         d, r = basis.shape[-2:]
         return (d + d * r + page_len.long() * r) * basis.element_size()
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         sm = ctx.summaries
+        if self.summary_format == "compact":  # dequantised here; a fused dequantising kernel is future work
+            mu, basis, coef = expand_page_bases(sm)
+        else:
+            mu, basis, coef = sm["mu"], sm["basis"], sm["coef"]
         rows = [
-            page_score_lowrank(ctx.query[:, :, i], sm["mu"], sm["basis"], sm["coef"], ctx.page_len, ctx.scaling)
+            page_score_lowrank(ctx.query[:, :, i], mu, basis, coef, ctx.page_len, ctx.scaling)
             for i in range(ctx.query.shape[2])
         ]
         return mean_over_queries(rows)
@@ -81,7 +100,8 @@ class _BasisRetrieval(RetrievalPolicy):
 @register_retrieval
 @dataclass
 class LocksRetrieval(_BasisRetrieval):
-    """LOCKS: page-local key PCA (the eta = 0 case of OVAL). Options: rank (8), max_page_tokens (32)."""
+    """LOCKS: page-local key PCA (the eta = 0 case of OVAL). Options: rank (8), max_page_tokens (32),
+    summary_format ("float" or "compact")."""
 
     name: ClassVar[str] = "locks"
 
@@ -95,7 +115,7 @@ class LocksRetrieval(_BasisRetrieval):
 @dataclass
 class OvalRetrieval(_BasisRetrieval):
     """OVAL: output-aware page bases. Options: eta (0.5; 0 = LOCKS, 1 = output-only), rank (8),
-    max_page_tokens (32)."""
+    max_page_tokens (32), summary_format ("float" or "compact")."""
 
     name: ClassVar[str] = "oval"
     eta: float = 0.5
