@@ -15,8 +15,11 @@ model's side).
   SnapKV's scoring plus the cache's choice of the kept tokens at a 25% image budget, uniform and with
   PyramidKV's layer schedule or AdaKV's shared head budget (`choose_kept`, the layer taken as the first of 32);
 - decode: the layer's forward for one new token over the cached prompt (transformers' DynamicCache) vs each
-  retrieval method choosing the pages that layer reads (scoring + top-k at a 25% read budget). The router's
+  retrieval method choosing the pages that layer reads (scoring + top-k at a 25% read budget), Quest, LOCKS
+  and OVAL with float and with compact summaries (summary_format="compact", docs/oval.md). The router's
   text state is computed once per step for all layers: it is counted as 1/32 per layer.
+- summaries: per method, the bytes of the candidate (image) pages' summaries that scoring reads
+  (`summary_bytes`) against the keys and values of those pages, with the KV in --kv-dtype (fp16: LLaVA-1.5's).
 
 Configurations alternate within each repeat (machine load hits them alike); medians are kept.
 """
@@ -205,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     ap.add_argument("--read-budget", type=float, default=0.25)
+    ap.add_argument(
+        "--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
+        help="dtype of the KV that the summaries table counts (and of the keys its float summaries come from)",
+    )  # fmt: skip
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -284,6 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         "oval r=2": make_retrieval("oval", rank=2),
         "router": RouterRetrieval(router=router.to(device).eval()),
     }
+    compact = ("quest", "locks", "oval", "oval r=2")
+    retrieval.update(
+        {
+            "quest compact": make_retrieval("quest", summary_format="compact"),
+            "locks compact": make_retrieval("locks", summary_format="compact"),
+            "oval compact": make_retrieval("oval", summary_format="compact"),
+            "oval r=2 compact": make_retrieval("oval", rank=2, summary_format="compact"),
+        }
+    )
     summaries = {name: pol.summarize(pages) for name, pol in retrieval.items()}
     hidden_last = torch.randn(1, s["hidden"], generator=g).to(device)
 
@@ -309,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode layer": decode_step,
         **{
             f"{name} page choice": (lambda n=name: select(n))
-            for name in ("quest", "locks", "oval", "oval r=2")
+            for name in (*compact, *(f"{n} compact" for n in compact))
         },
         "router page choice (a step of 32 layers)": router_step,
     }
@@ -336,9 +352,17 @@ def main(argv: list[str] | None = None) -> int:
     for label in ("snapkv", "pyramidkv (snapkv)", "adakv (snapkv)"):
         rows.append(("prefill", f"{label} scoring + kept-token choice", med[f"{label} scoring + choice"],
                      med["prefill layer"]))  # fmt: skip
-    for name in ("quest", "locks", "oval", "oval r=2", "router"):
+    for name in (*compact, *(f"{n} compact" for n in compact), "router"):
         key = f"{name} page choice" + (" (per layer)" if name == "router" else "")
         rows.append(("decode", name, med[key], med["decode layer"]))
+    kv_dtype = getattr(torch, args.kv_dtype)
+    sized = pages_of(kf.to(kv_dtype), vf.to(kv_dtype), mod, rc, embeds, attn)[0]
+    per_token = 2 * s["head_dim"] * torch.finfo(kv_dtype).bits // 8  # keys + values of one token, one KV head
+    kv_bytes = int(page_len[cand].sum()) * per_token
+    sizes = []
+    for name, pol in retrieval.items():
+        read = pol.summary_bytes(pol.summarize(sized), page_len)
+        sizes.append((name, int(read[cand].sum()), kv_bytes))
     title = (
         f"mm-oval overhead at LLaVA-1.5-7B's layer shape ({args.device}, {args.dtype}, prompt {N} tokens, "
         f"read budget {args.read_budget}, median of {args.repeats})"
@@ -347,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'phase':<8} {'part':<52} {'part ms':>9} {'layer ms':>9} {'ratio':>8}")
     for phase, name, part, base in rows:
         print(f"{phase:<8} {name:<52} {1e3 * part:>9.3f} {1e3 * base:>9.3f} {100 * part / base:>7.2f}%")
+    n_cand = int(cand.sum())
+    print(
+        f"\nsummaries scored per decode step and layer: {n_cand // s['kv_heads']} image pages (2x2 tiles) per KV "
+        f"head x {s['kv_heads']} heads, KV in {args.kv_dtype}"
+    )
+    print(f"{'method':<61} {'summary KB':>10} {'KV KB':>9} {'ratio':>8}")
+    for name, read, kv in sizes:
+        print(f"{name:<61} {read / 1024:>10.1f} {kv / 1024:>9.1f} {100 * read / kv:>7.2f}%")
     if args.out:
         payload = {
             "title": title,
@@ -356,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             "median_seconds": med,
             "rows": [
                 {"phase": p, "part": n, "part_s": a, "layer_s": b, "ratio": a / b} for p, n, a, b in rows
+            ],
+            "summary_bytes": [
+                {"method": n, "kv_dtype": args.kv_dtype, "summary_bytes": a, "kv_bytes": b, "ratio": a / b}
+                for n, a, b in sizes
             ],
         }
         atomic_write_json(args.out, payload, indent=1)
