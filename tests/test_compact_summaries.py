@@ -30,6 +30,7 @@ from mm_oval.policies.page_summaries import (
     page_bases,
     quantize_int4_columns,
     quantize_int8,
+    scoring_operands,
 )
 from mm_oval.stats import get_stats
 from mm_oval.wrapper import new_cache
@@ -148,11 +149,14 @@ def test_compact_scores_pick_nearly_the_top_quarter_of_pages_the_float_scores_pi
     s = page_bases(keys, rank=8)
     rec = compact_page_bases(s.centroid, s.basis, s.coeffs)
     exact = _scores(q, s.centroid, s.basis, s.coeffs, t)
-    overlap = _top_overlap(exact, _scores(q, *expand_page_bases(rec), t))
+    compact = _scores(q, *expand_page_bases(rec), t)
+    overlap = _top_overlap(exact, compact)
     assert overlap.mean() >= 0.9 and overlap.min() >= 0.75
     # the measure tells a broken record: the basis rows read back in the wrong order (nibbles swapped)
     broken = _top_overlap(exact, _scores(q, *expand_page_bases(_swap_nibbles(rec)), t))
     assert broken.mean() < 0.9
+    # what the policies hand the kernel (the column scales moved onto the coefficients) scores the same
+    assert torch.allclose(_scores(q, *scoring_operands(rec), t), compact, atol=1e-4, rtol=1e-5)
 
 
 # ---- Quest: the compact bound is still an upper bound -----------------------------------------------

@@ -205,11 +205,13 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4_columns(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Basis (..., D, r) -> packed (..., ceil(D/2), r) uint8 and scale (..., r) fp16, one scale per column.
+    """Basis (..., D, r) -> packed (..., H, r) uint8 with H = ceil(D/2), and scale (..., r) fp16, one scale
+    per column.
 
     Each entry is round(x / scale) in [-7, 7] (symmetric, round to nearest), stored as the nibble x + 8;
-    byte j of a column holds rows 2j (low nibble) and 2j + 1 (high nibble); an odd D is padded with a zero
-    row. ceil(D/2) r + 2 r bytes; `dequantize_int4_columns` undoes it to within scale / 2 per entry."""
+    byte j of a column holds row j (low nibble) and row H + j (high nibble), the two halves of the column
+    (an odd D is padded with a zero row). H r + 2 r bytes; `dequantize_int4_columns` undoes it to within
+    scale / 2 per entry."""
     x = basis.float()
     d = x.shape[-2]
     scale = _fp16_scale(x.abs().amax(-2), INT4_LEVEL)  # (..., r)
@@ -217,16 +219,24 @@ def quantize_int4_columns(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     q = (q + 8).to(torch.uint8)  # 1 .. 15
     if d % 2:
         q = torch.nn.functional.pad(q, (0, 0, 0, 1), value=8)
-    packed = q[..., 0::2, :] | (q[..., 1::2, :] << 4)
+    half = q.shape[-2] // 2
+    packed = q[..., :half, :] | (q[..., half:, :] << 4)
     return packed, scale
 
 
+def int4_levels(packed: torch.Tensor, d: int) -> torch.Tensor:
+    """The levels (integers in [-7, 7], as fp32) of a `quantize_int4_columns` record: (..., H, r) -> (..., D, r)."""
+    half = packed.shape[-2]
+    out = packed.new_empty((*packed.shape[:-2], 2 * half, packed.shape[-1]), dtype=torch.float32)
+    # one pass each straight into the fp32 result: the unpacking costs little more than writing it
+    out[..., :half, :] = packed & 0x0F
+    out[..., half:, :] = packed >> 4
+    return out[..., :d, :].sub_(8)
+
+
 def dequantize_int4_columns(packed: torch.Tensor, scale: torch.Tensor, d: int) -> torch.Tensor:
-    """Inverse of `quantize_int4_columns`: packed (..., ceil(D/2), r) uint8, scale (..., r) -> (..., D, r) fp32."""
-    lo = (packed & 0x0F).to(torch.int8) - 8
-    hi = (packed >> 4).to(torch.int8) - 8
-    q = torch.stack([lo, hi], -2).flatten(-3, -2)[..., :d, :]  # rows 0, 1, 2, ... interleaved back
-    return q.float() * scale.float().unsqueeze(-2)
+    """Inverse of `quantize_int4_columns`: packed (..., H, r) uint8, scale (..., r) -> (..., D, r) fp32."""
+    return int4_levels(packed, d).mul_(scale.float().unsqueeze(-2))
 
 
 def quantize_int8(x: torch.Tensor, group_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +281,16 @@ def expand_page_bases(record: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     mu = dequantize_int8(record["mu_q"], record["mu_scale"])
     basis = dequantize_int4_columns(record["basis_q"], record["basis_scale"], mu.shape[-1])
     return mu, basis, dequantize_int8(record["coef_q"], record["coef_scale"])
+
+
+def scoring_operands(record: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the page-scoring kernel takes for a compact record, fp32: (centroid, basis levels, coefficients
+    times the basis column scales). B c_i is that of `expand_page_bases` (column j of B is levels_j s_j: s_j
+    moves to row j of the coefficients), so the scores are the same; the large basis is only unpacked."""
+    mu = dequantize_int8(record["mu_q"], record["mu_scale"])
+    levels = int4_levels(record["basis_q"], mu.shape[-1])
+    coef = dequantize_int8(record["coef_q"], record["coef_scale"])
+    return mu, levels, coef.mul_(record["basis_scale"].float().unsqueeze(-2))
 
 
 def compact_basis_bytes(d: int, r: int, page_len: torch.Tensor) -> torch.Tensor:

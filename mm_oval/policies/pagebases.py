@@ -19,9 +19,9 @@ from .page_summaries import (
     check_summary_format,
     compact_basis_bytes,
     compact_page_bases,
-    expand_page_bases,
     layer_output_metric,
     page_bases,
+    scoring_operands,
 )
 
 
@@ -87,7 +87,7 @@ class _BasisRetrieval(RetrievalPolicy):
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         sm = ctx.summaries
         if self.summary_format == "compact":  # dequantised here; a fused dequantising kernel is future work
-            mu, basis, coef = expand_page_bases(sm)
+            mu, basis, coef = scoring_operands(sm)
         else:
             mu, basis, coef = sm["mu"], sm["basis"], sm["coef"]
         rows = [
