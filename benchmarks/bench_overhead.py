@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-budget", type=float, default=0.25)
     ap.add_argument(
         "--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
-        help="dtype of the KV that the summaries table counts (and of the keys its float summaries come from)",
+        help="dtype of the KV the summaries table counts (and of the keys its float summaries come from)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{phase:<8} {name:<52} {1e3 * part:>9.3f} {1e3 * base:>9.3f} {100 * part / base:>7.2f}%")
     n_cand = int(cand.sum())
     print(
-        f"\nsummaries scored per decode step and layer: {n_cand // s['kv_heads']} image pages (2x2 tiles) per KV "
-        f"head x {s['kv_heads']} heads, KV in {args.kv_dtype}"
+        f"\nsummaries scored per decode step and layer: {n_cand // s['kv_heads']} image pages (2x2 tiles) "
+        f"per KV head x {s['kv_heads']} heads, KV in {args.kv_dtype}"
     )
     print(f"{'method':<61} {'summary KB':>10} {'KV KB':>9} {'ratio':>8}")
     for name, read, kv in sizes:

@@ -100,7 +100,7 @@ def test_a_compact_record_is_the_float_summary_within_the_quantisers_bounds():
     assert ((mu - s.centroid).abs() <= mu_step / 2 + 1e-6).all()
     assert ((basis - s.basis).abs() <= basis_step / 2 + 1e-6).all()
     assert ((coef - s.coeffs).abs() <= coef_step / 2 + 1e-6).all()
-    # the steps are those of the data: 1/127 of the page's largest centroid / coefficient entry, 1/7 of a column's
+    # the steps are those of the data: 1/127 of the page's largest centroid entry, 1/7 of a column's largest
     assert torch.allclose(mu_step[..., 0], s.centroid.abs().amax(-1) / 127, rtol=2e-3)
     assert torch.allclose(basis_step[..., 0, :], s.basis.abs().amax(-2) / 7, rtol=2e-3)
 

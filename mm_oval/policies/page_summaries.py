@@ -164,9 +164,9 @@ def key_bounds(keys: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tens
 
 # ---- compact summaries: the records stored quantised ----------------------------------------------------
 #
-# Symmetric round-to-nearest quantisers with fp16 scales, and the compact LOCKS / OVAL and Quest records built
-# from them. A scale is the largest magnitude it covers over the largest level (7 for int4, 127 for int8), made
-# fp16 and rounded up, so that no value falls outside the levels; a group that is all zero has scale 0.
+# Symmetric round-to-nearest quantisers with fp16 scales, and the compact LOCKS / OVAL and Quest records
+# built from them. A scale is the largest magnitude it covers over the largest level (7 for int4, 127 for
+# int8), made fp16 and rounded up, so that no value falls outside the levels; an all-zero group has scale 0.
 # Bytes of one page of the compact LOCKS / OVAL record (`compact_basis_bytes`), D channels, rank r, T tokens:
 #   basis     ceil(D/2) r  (int4, two per byte)  + 2 r  (one fp16 scale per basis column)
 #   coef      T r          (int8, real tokens)   + 2    (one fp16 scale per page)
@@ -189,8 +189,8 @@ def check_summary_format(method: str, value: object) -> str:
 
 
 def _fp16_scale(amax: torch.Tensor, level: int) -> torch.Tensor:
-    """The smallest-but-safe fp16 scale for a group of largest magnitude amax: level * scale >= amax (the
-    product is exact in fp32), 0 only when amax is 0; groups beyond 65504 * level saturate at 65504."""
+    """An fp16 scale for a group of largest magnitude amax, as small as fp16 allows with level * scale >= amax
+    (the product is exact in fp32), 0 only when amax is 0; groups beyond 65504 * level saturate at 65504."""
     a = amax.float()
     s = (a / level).clamp(max=65504.0).to(torch.float16)
     for _ in range(2):  # fp16 (and the fp32 quotient) round to nearest: step up to the next fp16 where short
@@ -225,7 +225,8 @@ def quantize_int4_columns(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def int4_levels(packed: torch.Tensor, d: int) -> torch.Tensor:
-    """The levels (integers in [-7, 7], as fp32) of a `quantize_int4_columns` record: (..., H, r) -> (..., D, r)."""
+    """The levels (integers in [-7, 7], as fp32) of a `quantize_int4_columns` record:
+    (..., H, r) -> (..., D, r)."""
     half = packed.shape[-2]
     out = packed.new_empty((*packed.shape[:-2], 2 * half, packed.shape[-1]), dtype=torch.float32)
     # one pass each straight into the fp32 result: the unpacking costs little more than writing it
@@ -258,11 +259,11 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def compact_page_bases(
     centroid: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """The compact LOCKS / OVAL record of pages: centroid (..., P, D), basis (..., P, D, r), coef (..., P, T, r)
-    (rows past a page's tokens zero) -> {mu_q (..., P, D) int8, mu_scale (..., P) fp16, basis_q
-    (..., P, ceil(D/2), r) uint8, basis_scale (..., P, r) fp16, coef_q (..., P, T, r) int8, coef_scale (..., P)
-    fp16}: the centroid int8 with one scale per page, the basis int4 with one scale per column, the
-    coefficients int8 with one scale per page. Bytes read per page: `compact_basis_bytes`."""
+    """The compact LOCKS / OVAL record of pages: centroid (..., P, D), basis (..., P, D, r), coef
+    (..., P, T, r) (rows past a page's tokens zero) -> {mu_q (..., P, D) int8, mu_scale (..., P) fp16,
+    basis_q (..., P, ceil(D/2), r) uint8, basis_scale (..., P, r) fp16, coef_q (..., P, T, r) int8,
+    coef_scale (..., P) fp16}: the centroid int8 with one scale per page, the basis int4 with one scale per
+    column, the coefficients int8 with one scale per page. Bytes read per page: `compact_basis_bytes`."""
     mu_q, mu_scale = quantize_int8(centroid, 1)
     basis_q, basis_scale = quantize_int4_columns(basis)
     coef_q, coef_scale = quantize_int8(coef, 2)
@@ -301,10 +302,11 @@ def compact_basis_bytes(d: int, r: int, page_len: torch.Tensor) -> torch.Tensor:
 
 
 def compact_key_bounds(kmin: torch.Tensor, kmax: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Quest's compact record: kmin, kmax (..., P, D) -> {kmin_q, kmax_q (..., P, D) int8, bound_scale (..., P)
-    fp16}, one scale per page for both, rounded outward (kmin down, kmax up: dequantised, kmin_q s <= kmin
-    and kmax_q s >= kmax exactly), so the bound scale * sum_c max(q_c kmin_c, q_c kmax_c) stays an upper bound
-    of scale * q . k for every key of the page. 2 D + 2 bytes per page."""
+    """Quest's compact record: kmin, kmax (..., P, D) -> {kmin_q, kmax_q (..., P, D) int8, bound_scale
+    (..., P) fp16}, one scale per page for both, rounded outward (kmin down, kmax up: dequantised,
+    kmin_q s <= kmin and kmax_q s >= kmax exactly), so the bound scale * sum_c max(q_c kmin_c, q_c kmax_c)
+    stays an upper bound of scale * q . k for every key of the page (for keys up to 65504 * 127 in
+    magnitude). 2 D + 2 bytes per page."""
     lo, hi = kmin.float(), kmax.float()
     scale = _fp16_scale(torch.maximum(lo.abs().amax(-1), hi.abs().amax(-1)), INT8_LEVEL)
     s = _safe(scale).unsqueeze(-1)

@@ -76,7 +76,8 @@ class _BasisRetrieval(RetrievalPolicy):
     def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
         """Per page: the centroid (D) and basis (D r) and the coefficients of its real tokens (T r), in the
         summaries' dtype; the coefficient rows padding a page to max_page_tokens are not read. Compact
-        records: `page_summaries.compact_basis_bytes` (packed basis, int8 coefficients and centroid, scales)."""
+        records: `page_summaries.compact_basis_bytes` (packed basis, int8 coefficients and centroid,
+        their scales)."""
         if self.summary_format == "compact":
             mu_q, basis_q = summaries["mu_q"], summaries["basis_q"]
             return compact_basis_bytes(mu_q.shape[-1], basis_q.shape[-1], page_len)
