@@ -74,6 +74,9 @@ def take_pending(layer_idx: int | None) -> PagedLayer | None:
     return layer
 
 
+# the share of a layer's KV bytes that the temporaries of building its page summaries may take at once
+SUMMARY_TEMP_SHARE = 0.25
+
 # what a decode step reads, the rows of `PagedLayer._read_t` (see mm_oval.stats, `bytes_read`)
 READ_KINDS = ("summaries", "selected", "always_read", "dense")
 
@@ -429,22 +432,61 @@ class PagedLayer(CacheLayerMixin):
     def slot_rc(self) -> torch.Tensor:  # (B, Hkv, L, 3) (image, row, col) of image slots, -1 elsewhere
         return self._decode_part(self._p_rc, -1)
 
+    def _summary_chunk(self, T: int) -> int:
+        """Pages (padded to T tokens) per `summarize` call: as many as keep the call's
+        temporaries (padded page keys/values, their fp32 copies, Gram matrices and eigendecompositions, the
+        page tokens' input embeddings for a policy that pools them) within SUMMARY_TEMP_SHARE of the
+        layer's KV bytes (at least one page)."""
+        B, H, L, D = self.keys.shape
+        hidden = 0
+        embeds = self.owner.request.inputs_embeds
+        if self.owner.retrieval.needs_inputs_embeds and embeds is not None:
+            hidden = embeds.shape[-1]
+        per_page = B * H * T * ((4 * self.keys.element_size() + 48) * D + 12 * hidden + 32 * T)
+        kv = 2 * self.keys.numel() * self.keys.element_size()
+        return max(1, int(SUMMARY_TEMP_SHARE * kv) // per_page)
+
+    def _page_width(self, first: int, stop: int) -> int:
+        """The padded width T of pages [first, stop) as gather_pages pads them all at once."""
+        length = self.page_len[..., first:stop]
+        return max(int(length.max()) if length.numel() else 0, 1)
+
     def _summarize(self, first: int, stop: int) -> None:
-        k, v, mask, src = gather_pages(
-            self.keys, self.values, self.page_start, self.page_len, slice(first, stop), self.slot_src
-        )
-        batch = PageBatch(
-            layer_idx=self.layer_idx,
-            keys=k,
-            values=v,
-            mask=mask,
-            kind=self.page_kind[..., first:stop],
-            first_page=first,
-            module=self.module,
-            token_index=src,
-            request=self.owner.request,
-        )
-        new = self.owner.retrieval.summarize(batch)
+        """Summaries of pages [first, stop), appended to `summaries`. Built in chunks of pages (each padded
+        to the width of the whole range, so that the summaries are those of one call) written into one
+        preallocated tensor per summary: the temporaries stay within a share of the layer's KV bytes."""
+        T = self._page_width(first, stop)
+        step = self._summary_chunk(T)
+        new: dict[str, torch.Tensor] = {}
+        for a in range(first, stop, step):
+            b = min(stop, a + step)
+            k, v, mask, src = gather_pages(
+                self.keys, self.values, self.page_start, self.page_len, slice(a, b), self.slot_src
+            )
+            if k.shape[-2] < T:  # the padding gather_pages gives the pages of the whole range
+                pad = T - k.shape[-2]
+                k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+                mask, src = F.pad(mask, (0, pad)), F.pad(src, (0, pad), value=-1)
+            batch = PageBatch(
+                layer_idx=self.layer_idx,
+                keys=k,
+                values=v,
+                mask=mask,
+                kind=self.page_kind[..., a:b],
+                first_page=a,
+                module=self.module,
+                token_index=src,
+                request=self.owner.request,
+            )
+            part = self.owner.retrieval.summarize(batch)
+            del k, v, mask, src, batch
+            if step >= stop - first:
+                new = part
+                break
+            for name, t in part.items():
+                if name not in new:
+                    new[name] = t.new_empty((*t.shape[:2], stop - first, *t.shape[3:]))
+                new[name][:, :, a - first : b - first] = t
         for name, t in new.items():
             old = self.summaries.get(name)
             self.summaries[name] = t if old is None else torch.cat([old, t], dim=2)

@@ -72,6 +72,17 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * m).sum(-2) / m.sum(-2).clamp_min(1.0)
 
 
+def _metric_gram(y: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
+    """Y G Y^T per page: y (..., P, T, D), metric G (..., 1, D, D) shared by a head's pages (or one per
+    page, (..., P, D, D)) -> (..., P, T, T). A shared G multiplies the head's P * T rows at once: a
+    broadcasting `y @ G` would expand G into one D x D copy per page."""
+    if metric.dim() > 2 and metric.shape[-3] != 1:
+        return y @ metric @ y.transpose(-1, -2)
+    *lead, p, t, d = y.shape
+    yg = (y.reshape(*lead, 1, p * t, d) @ metric).reshape(*lead, p, t, d)
+    return yg @ y.transpose(-1, -2)
+
+
 def page_bases(
     keys: torch.Tensor,
     token_mask: torch.Tensor | None = None,
@@ -114,7 +125,7 @@ def page_bases(
     else:
         v = values.float()
         y = (v - _masked_mean(v, token_mask).unsqueeze(-2)) * m
-        ygyt = y @ metric.float() @ y.transpose(-1, -2)  # (..., P, T, T)
+        ygyt = _metric_gram(y, metric.float())  # (..., P, T, T)
         tr_k = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-30)  # tr(X^T X)
         tr_o = (ygyt * gram).sum((-1, -2)).clamp_min(1e-30)  # tr(X^T Y G Y^T X)
         eye = torch.eye(t, device=k.device, dtype=k.dtype)

@@ -1,0 +1,118 @@
+"""Building page summaries without large temporaries: OVAL's Y G Y^T multiplies a head's pages by G once
+(no D x D copy per page), and the cache summarises a layer in chunks of pages whose summaries are those of
+one call over all the pages."""
+
+import pytest
+import torch
+
+import mm_oval
+from mm_oval import cache as cache_mod
+from mm_oval.config import OvalConfig
+from mm_oval.policies.page_summaries import output_metric, page_bases
+from mm_oval.wrapper import prefill
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _pages(seed: int, B=2, H=2, P=5, T=6, D=16):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, P, T, D, generator=g)
+    v = torch.randn(B, H, P, T, D, generator=g)
+    mask = torch.rand(B, H, P, T, generator=g) > 0.2
+    mask[..., 0] = True
+    w = torch.randn(3 * D, 2 * H * D, generator=g)  # o_proj of 2 query heads per KV head
+    return k, v, mask, output_metric(w, 2 * H, H)[None, :, None]  # (1, H, 1, D, D)
+
+
+def _old_ygyt(y, metric):
+    return y @ metric @ y.transpose(-1, -2)  # the broadcasting formula: one D x D copy of G per page
+
+
+def test_y_g_yt_without_a_copy_of_g_per_page_equals_the_broadcast_formula(monkeypatch):
+    from mm_oval.policies import page_summaries as ps
+
+    k, v, mask, metric = _pages(0)
+    y = torch.randn(*k.shape)
+    assert torch.allclose(ps._metric_gram(y, metric), _old_ygyt(y, metric), rtol=1e-5, atol=1e-4)
+    # a metric per page (not shared) still takes the per-page product
+    per_page = metric.expand(2, -1, k.shape[2], -1, -1).contiguous()
+    assert torch.allclose(ps._metric_gram(y, per_page), _old_ygyt(y, per_page), rtol=1e-5, atol=1e-4)
+    new = page_bases(k, mask, rank=4, eta=0.5, values=v, metric=metric)
+    monkeypatch.setattr(ps, "_metric_gram", _old_ygyt)
+    old = page_bases(k, mask, rank=4, eta=0.5, values=v, metric=metric)
+    # the same bases up to each direction's sign (eigenvectors), hence the same coefficients' Gram
+    dots = (new.basis * old.basis).sum(-2).abs()
+    norms = new.basis.norm(dim=-2) * old.basis.norm(dim=-2)
+    assert torch.allclose(dots, norms, rtol=1e-3, atol=1e-4)
+    assert torch.allclose(new.centroid, old.centroid)
+
+
+def _inputs(processor, n: int = 2):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(5)
+    imgs = [Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy()) for _ in range(n)]
+    texts = ["USER: <image>\nwhat color is the circle ? ASSISTANT:", "USER: <image>\nhow many ? ASSISTANT:"][:n]
+    return processor(images=imgs, text=texts, return_tensors="pt", padding=True)
+
+
+@pytest.mark.parametrize(
+    "retrieval,options,method",
+    [("oval", {"eta": 0.5}, "full"), ("locks", {}, "snapkv"), ("quest", {}, "full"), ("router", None, "full")],
+)
+def test_summaries_built_in_chunks_of_pages_equal_those_built_at_once(
+    tiny_random_llava, monkeypatch, tmp_path, retrieval, options, method
+):
+    model, processor = tiny_random_llava
+    if options is None:  # a router of the model's shapes (random weights)
+        from mm_oval.policies.router import HybridRouter, RouterConfig, save_router
+
+        text = model.config.text_config
+        torch.manual_seed(0)
+        shapes = RouterConfig(text.hidden_size, text.num_hidden_layers, text.num_key_value_heads)
+        options = {"weights": str(save_router(HybridRouter(shapes), tmp_path))}
+    inputs = _inputs(processor)
+    budget = {"budget": 0.5} if method != "full" else {}
+    cfg = OvalConfig(method=method, retrieval=retrieval, retrieval_options=options, **budget)
+    wrapped = mm_oval.wrap(model, cfg)
+    calls: list[int] = []
+    real = wrapped._mm_oval.retrieval.summarize
+
+    def counting(pages):
+        calls.append(pages.keys.shape[2])
+        return real(pages)
+
+    try:
+        monkeypatch.setattr(wrapped._mm_oval.retrieval, "summarize", counting)
+        monkeypatch.setattr(cache_mod, "SUMMARY_TEMP_SHARE", 1e9)  # every page in one call
+        once = prefill(wrapped, **inputs)
+        n_once = len(calls)
+        calls.clear()
+        monkeypatch.setattr(cache_mod, "SUMMARY_TEMP_SHARE", 1e-9)  # one page per call
+        chunked = prefill(wrapped, **inputs)
+    finally:
+        mm_oval.unwrap(wrapped)
+    n_layers = len(once.layers)
+    assert n_once == n_layers  # one call per layer
+    assert calls and set(calls) == {1}
+    for a, b in zip(once.layers, chunked.layers):
+        assert len(calls) >= a.prompt_pages
+        assert a.summaries.keys() == b.summaries.keys()
+        for name in a.summaries:
+            assert torch.equal(a.summaries[name], b.summaries[name]), name
+
+
+def test_the_chunk_keeps_its_temporaries_within_the_share_of_the_layers_kv(tiny_random_llava):
+    model, processor = tiny_random_llava
+    wrapped = mm_oval.wrap(model, OvalConfig(retrieval="oval"))
+    try:
+        cache = prefill(wrapped, **_inputs(processor))
+    finally:
+        mm_oval.unwrap(wrapped)
+    layer = cache.layers[0]
+    B, H, L, D = layer.keys.shape
+    T = layer._page_width(0, layer.prompt_pages)
+    step = layer._summary_chunk(T)
+    kv = 2 * layer.keys.numel() * layer.keys.element_size()
+    padded_fp32 = 2 * B * H * step * T * D * 4  # the chunk's keys and values in fp32 alone
+    assert step >= 1 and padded_fp32 <= cache_mod.SUMMARY_TEMP_SHARE * kv
