@@ -56,6 +56,7 @@ from .errors import ConfigError, DataError
 from .geometry import Geometry, fixed_grid_rc
 from .pages import dynamic_labels, gather_pages, layout_pages
 from .registry import make_eviction, make_retrieval
+from .stats import RetrievalMonitor
 
 if TYPE_CHECKING:
     from .policies.base import EvictionPolicy, RetrievalPolicy
@@ -620,13 +621,20 @@ class PagedLayer(CacheLayerMixin):
         budget: float | BytesBudget = owner.config.read_budget
         if owner.config.read_bytes_budget is not None:
             budget = self._bytes_budget(cand, always, summary.sum(-1), owner.config.read_bytes_budget)
+        monitor = owner.monitor
+        t0 = monitor.clock(query.device) if monitor is not None else 0.0
         chosen = owner.retrieval.select(ctx, budget) & cand
+        seconds = monitor.clock(query.device) - t0 if monitor is not None else 0.0
         owner.counters["candidate_pages"] += cand.sum()
         owner.counters["pages_read"] += chosen.sum()
         image = kind == IMAGE
         scanned = torch.stack([(summary * image).sum(), (summary * ~image).sum()])
+        picked = chosen
         chosen = torch.cat([chosen, torch.zeros_like(rest)], -1)
         self._count_read(always, chosen, scanned)
+        if monitor is not None:  # against exact attention of the newest token
+            monitor.record(self.layer_idx, owner.timings["decode_steps"], seconds, query[:, :, -1], self.keys,
+                           self.slot_valid, self.slot_page, scaling, cand, picked, chosen | always)  # fmt: skip
         return chosen | always
 
     def read_mask(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
@@ -714,6 +722,8 @@ class PagedMultimodalCache(Cache):
         self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0, "read_over_budget": 0}
         self.kernels: bool | None = None  # decode through mm_oval.kernels; None = on CUDA only
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
+        # retrieval against exact attention, per decode step and layer (stats' retrieval_monitor)
+        self.monitor = RetrievalMonitor() if config.monitor_retrieval else None
 
     def use_kernels(self, query: torch.Tensor) -> bool:
         return query.is_cuda if self.kernels is None else self.kernels

@@ -69,6 +69,8 @@ class OvalConfig:
     # always-read pages' keys and values) as a fraction of dense attention's over the resident cache
     read_bytes_budget: float | None = None
     read_scope: str = "image"  # candidate pages: "image" pages only (text pages always read), or "all"
+    # each decode step also computes exact attention to measure the retrieval (stats' retrieval_monitor)
+    monitor_retrieval: bool = False
     image_tile: int = 2
     text_page_size: int = 16
     # "fixed": image_tile x image_tile image pages and text_page_size text pages; "dynamic": OVAL's page
@@ -101,6 +103,8 @@ class OvalConfig:
             raise ConfigError(f"head_budget={self.head_budget!r} is not one of {HEAD_BUDGETS}")
         if self.read_scope not in READ_SCOPES:
             raise ConfigError(f"read_scope={self.read_scope!r} is not one of {READ_SCOPES}")
+        if not isinstance(self.monitor_retrieval, bool):
+            raise ConfigError(f"monitor_retrieval must be True or False, got {self.monitor_retrieval!r}")
         for name in ("sink_tokens", "recent_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -232,6 +236,7 @@ class OvalConfig:
                     ("read_bytes_budget", None),
                     ("read_scope", "image"),
                     ("page_sizing", "fixed"),
+                    ("monitor_retrieval", False),
                 )
                 if getattr(self, k) != default
             }

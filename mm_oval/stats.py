@@ -36,6 +36,7 @@ dtypes, real tokens only (never padding):
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
 from transformers import PreTrainedModel
 
+from .core import topk_mask
 from .errors import ConfigError
 
 ALLOCATED_KINDS = ("kv", "summaries", "metadata", "method_state")
@@ -187,6 +189,10 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     out["page_read_fraction"] = (int(cache.counters["pages_read"]) / cand) if cand else None
     out["read_bytes_budget"] = cache.config.read_bytes_budget
     out["bytes_read"] = bytes_read(cache)
+    monitor = getattr(cache, "monitor", None)
+    summary = monitor.summary() if monitor is not None else None
+    if summary is not None:
+        out["retrieval_monitor"] = summary
     return out
 
 
@@ -223,6 +229,106 @@ def bytes_read(cache: Any) -> dict[str, Any]:
     }
 
 
+# ---- retrieval monitor (OvalConfig.monitor_retrieval) -------------------------------------------------------
+@dataclasses.dataclass
+class RetrievalMonitor:
+    """What the retrieval chose against exact attention, accumulated over a request's decode steps and layers
+    (a `PagedMultimodalCache` holds one when `monitor_retrieval` is on; `record` is called by each layer's
+    `read_pages`). Tallies stay tensors on the cache's device (no host sync per step); the selection times
+    are host floats. Its tensors count as the stats' `allocated_bytes["metadata"]`."""
+
+    # per layer: [hits, pages selected, sum of the (B, Hq) recalls, their count] (float64)
+    tally: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # per layer: (B, Hkv, P) bool, the pages that were candidates / were read at some step
+    ever_candidate: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    ever_read: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    select_s: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (decode step, seconds)
+
+    @staticmethod
+    def clock(device: torch.device) -> float:
+        """time.perf_counter(), after the device's queued work on CUDA (the select is timed alone)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def record(
+        self,
+        layer_idx: int,
+        step: int,
+        seconds: float,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        slot_valid: torch.Tensor,
+        slot_page: torch.Tensor,
+        scaling: float,
+        candidates: torch.Tensor,
+        chosen: torch.Tensor,
+        read: torch.Tensor,
+    ) -> None:
+        """One layer's decode step. query (B, Hq, D) the newest token's; keys (B, Hkv, L, D) the resident
+        slots, slot_valid (B, Hkv, L), slot_page (B, Hkv, L) their pages; candidates / chosen (B, Hkv, Pc)
+        bool the candidate pages and those the policy selected; read (B, Hkv, P) bool every page read."""
+        from .policies.page_measures import attention_mass_captured  # the policies import this module
+
+        attn = exact_attention(query, keys, slot_valid, scaling)  # (B, Hq, L)
+        B, Hkv, L = slot_valid.shape
+        Pc = candidates.shape[-1]
+        # each candidate page's exact attention mass, its query heads' page distributions averaged (the
+        # kernels' GQA combination): the true top-k pages per KV head, k = the pages the policy selected
+        page = slot_page.clamp(min=0).repeat_interleave(attn.shape[1] // Hkv, dim=1)
+        mass = attn.new_zeros(B, attn.shape[1], read.shape[-1]).scatter_add_(-1, page, attn)
+        mass = mass.view(B, Hkv, -1, mass.shape[-1]).mean(2)[..., :Pc]
+        k = chosen.sum(-1)
+        top = topk_mask(mass, candidates, k)
+        slots = slot_valid & read.gather(-1, slot_page.clamp(min=0))
+        recall = attention_mass_captured(attn, slots)  # (B, Hq)
+        row = torch.stack([(top & chosen).sum().double(), k.sum().double(), recall.double().sum(),
+                           torch.tensor(float(recall.numel()), dtype=torch.float64, device=recall.device)])  # fmt: skip
+        old = self.tally.get(layer_idx)
+        self.tally[layer_idx] = row if old is None else old + row
+        for store, new in ((self.ever_candidate, candidates), (self.ever_read, chosen)):
+            prev = store.get(layer_idx)
+            if prev is not None:  # pages closed since: the candidates grew
+                new = new | torch.nn.functional.pad(prev, (0, Pc - prev.shape[-1]))
+            store[layer_idx] = new
+        self.select_s.append((step, seconds))
+
+    def summary(self) -> dict[str, Any] | None:
+        """The stats' `retrieval_monitor` block (see `cache_stats`); None before any monitored step."""
+        if not self.tally:
+            return None
+        hits, selected, recall, n = torch.stack(list(self.tally.values())).sum(0).tolist()
+        cand = sum(int(t.sum()) for t in self.ever_candidate.values())
+        used = sum(int((r & c).sum()) for r, c in zip(self.ever_read.values(), self.ever_candidate.values()))
+        per_call = [s for _, s in self.select_s]
+        per_step: dict[int, float] = {}
+        for step, sec in self.select_s:
+            per_step[step] = per_step.get(step, 0.0) + sec
+        q = lambda xs, p: 1e3 * float(torch.tensor(xs, dtype=torch.float64).quantile(p))  # noqa: E731
+        return {
+            "layer_steps": len(per_call),
+            "pages_selected": int(selected),
+            "hit_rate": hits / selected if selected else None,
+            "attention_mass_recall": recall / n if n else None,
+            "page_utilisation": used / cand if cand else None,
+            "select_ms_p50": q(per_call, 0.5),
+            "select_ms_p99": q(per_call, 0.99),
+            "step_select_ms_p50": q(list(per_step.values()), 0.5),
+            "step_select_ms_p99": q(list(per_step.values()), 0.99),
+        }
+
+
+def exact_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Exact attention probabilities of one query per query head over the slots: query (B, Hq, D), keys
+    (B, Hkv, L, D) (the Hq / Hkv query heads of a KV head share its keys), valid (B, Hkv, L) -> (B, Hq, L)."""
+    B, Hq, D = query.shape
+    Hkv = keys.shape[1]
+    q = query.float().view(B, Hkv, Hq // Hkv, D)
+    logits = torch.einsum("bhgd,bhld->bhgl", q, keys.float()) * scaling
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    return torch.softmax(logits, -1).nan_to_num(0.0).reshape(B, Hq, -1)
+
+
 def get_stats(model: Any) -> dict[str, Any]:
     """Stats of the last request served by a model wrapped with `mm_oval.wrap`."""
     state = getattr(model, "_mm_oval", None)
@@ -247,7 +353,10 @@ def to_prometheus(stats: dict[str, Any], labels: dict[str, str] | None = None, p
     `<prefix>_config_info` (the configuration as labels), `_kv_bytes{state=full|kept}`,
     `_kv_fraction_kept{modality=all|image}`, `_allocated_bytes{kind}`, `_plain_cache_bytes`,
     `_allocated_vs_plain`, `_prefill_seconds`, `_decode_seconds`, `_decode_steps`, `_page_read_fraction`,
-    `_bytes_read{part,modality,per=request|step}`, `_read_vs_dense{modality}`, `_read_over_budget`."""
+    `_bytes_read{part,modality,per=request|step}`, `_read_vs_dense{modality}`, `_read_over_budget`; with
+    `monitor_retrieval` (the stats' `retrieval_monitor`), `_retrieval_hit_rate`,
+    `_retrieval_attention_mass_recall`, `_retrieval_page_utilisation`, `_retrieval_pages_selected` and
+    `_retrieval_select_seconds{per=layer|step,quantile=0.5|0.99}`."""
     if not isinstance(stats, dict) or "allocated_bytes" not in stats:
         raise ConfigError("to_prometheus takes the dict get_stats(model) returns")
     labels = {str(k): str(v) for k, v in (labels or {}).items()}
@@ -297,4 +406,18 @@ def to_prometheus(stats: dict[str, Any], labels: dict[str, str] | None = None, p
         put("read_vs_dense", doc, br.get("text_read_vs_dense"), modality="text")
         doc = "reads whose summaries and always-read pages exceeded the bytes budget"
         put("read_over_budget", doc, br.get("over_budget"))
+    mon = stats.get("retrieval_monitor")
+    if mon:
+        put("retrieval_hit_rate", "selected pages among the exact top-attention pages (as many), share",
+            mon.get("hit_rate"))  # fmt: skip
+        put("retrieval_attention_mass_recall", "share of the exact attention mass on the tokens read",
+            mon.get("attention_mass_recall"))  # fmt: skip
+        put("retrieval_page_utilisation", "share of candidate pages read at least once in the request",
+            mon.get("page_utilisation"))  # fmt: skip
+        put("retrieval_pages_selected", "pages the retrieval selected, all steps and layers", mon.get("pages_selected"))
+        doc = "time of the retrieval's page selection: one layer's call, or a decode step's (all layers)"
+        for per, key in (("layer", "select_ms"), ("step", "step_select_ms")):
+            for quantile, p in (("0.5", "p50"), ("0.99", "p99")):
+                v = mon.get(f"{key}_{p}")
+                put("retrieval_select_seconds", doc, None if v is None else v / 1e3, per=per, quantile=quantile)
     return generate_latest(registry).decode("utf-8")

@@ -1,0 +1,161 @@
+"""The retrieval monitor (`monitor_retrieval`): each decode step's selection against exact attention, in
+`stats["retrieval_monitor"]` and in the Prometheus text."""
+
+import pytest
+import torch
+
+import mm_oval
+from mm_oval.config import OvalConfig
+from mm_oval.errors import ConfigError
+from mm_oval.policies.base import IMAGE, DecodeContext, PageBatch, RetrievalPolicy, make_retrieval, topk_mask
+from mm_oval.policies.page_measures import exact_page_log_mass
+from mm_oval.stats import RetrievalMonitor, exact_attention, get_stats, to_prometheus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = ["USER: <image>\nwhat color is the circle ? ASSISTANT:", "USER: <image>\nhow many ? ASSISTANT:"]
+
+
+class RandomPages(RetrievalPolicy):
+    """Selects pages at random (seeded): its picks are independent of the keys."""
+
+    name = "random_pages_for_tests"
+
+    def __init__(self, seed: int = 0):
+        self.g = torch.Generator().manual_seed(seed)
+
+    def summarize(self, pages):
+        return {"n": torch.zeros(*pages.kind.shape, 1)}
+
+    def score_pages(self, ctx):
+        return torch.rand(ctx.candidates.shape, generator=self.g)
+
+
+def _generate(model, processor, llava_batch, policy=None, n=12, **cfg):
+    wrapped = mm_oval.wrap(model, OvalConfig(**cfg))
+    try:
+        if policy is not None:
+            wrapped._mm_oval.retrieval = policy
+        wrapped.generate(**llava_batch(TEXTS), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return get_stats(wrapped)
+    finally:
+        mm_oval.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("retrieval", ["quest", "oval"])
+def test_reading_every_page_hits_every_true_top_page_and_recalls_all_the_mass(
+    tiny_random_llava, llava_batch, retrieval
+):
+    model, processor = tiny_random_llava
+    s = _generate(model, processor, llava_batch, retrieval=retrieval, read_budget=1.0, monitor_retrieval=True)
+    m = s["retrieval_monitor"]
+    assert m["hit_rate"] == pytest.approx(1.0)
+    assert m["attention_mass_recall"] == pytest.approx(1.0, abs=1e-6)
+    assert m["page_utilisation"] == pytest.approx(1.0)
+    n_layers = model.config.text_config.num_hidden_layers
+    assert m["layer_steps"] == n_layers * s["decode_steps"]
+    assert m["pages_selected"] > 0
+    assert 0 < m["select_ms_p50"] <= m["select_ms_p99"]
+    assert m["select_ms_p50"] <= m["step_select_ms_p50"] <= m["step_select_ms_p99"]
+
+
+def test_a_partial_read_budget_recalls_less_and_the_block_is_absent_when_not_asked(tiny_random_llava, llava_batch):
+    model, processor = tiny_random_llava
+    m = _generate(model, processor, llava_batch, retrieval="quest", read_budget=0.25, monitor_retrieval=True)
+    m = m["retrieval_monitor"]
+    assert 0.0 < m["attention_mass_recall"] < 1.0
+    assert 0.0 < m["hit_rate"] <= 1.0 and 0.25 <= m["page_utilisation"] <= 1.0
+    plain = _generate(model, processor, llava_batch, retrieval="quest", read_budget=0.25)
+    assert "retrieval_monitor" not in plain
+    assert "retrieval_hit_rate" not in to_prometheus(plain)
+
+
+def test_random_selection_hits_about_k_over_p_of_the_true_top_pages(tiny_random_llava, llava_batch):
+    model, processor = tiny_random_llava
+    s = _generate(model, processor, llava_batch, policy=RandomPages(), n=20, retrieval="quest", read_budget=0.25,
+                  monitor_retrieval=True)  # fmt: skip
+    # 16 candidate image pages per head, 4 read: a random 4 of 16 holds 1/4 of the true top 4 on average
+    # (about 300 head-steps: standard deviation ~0.011)
+    assert s["retrieval_monitor"]["hit_rate"] == pytest.approx(0.25, abs=0.06)
+    assert s["retrieval_monitor"]["page_utilisation"] > 0.5  # random picks spread over the pages
+
+
+def _pages(keys: torch.Tensor, page_len: int):
+    """(B, Hkv, L, D) keys in pages of `page_len` consecutive slots: slot_page, page_start, page_len."""
+    B, H, L, _ = keys.shape
+    P = L // page_len
+    slot_page = (torch.arange(L) // page_len).expand(B, H, L).contiguous()
+    start = (torch.arange(P) * page_len).expand(B, H, P).contiguous()
+    return slot_page, start, torch.full((B, H, P), page_len)
+
+
+def test_random_picks_on_random_keys_hit_k_over_p_and_the_true_top_pages_hit_one():
+    g = torch.Generator().manual_seed(0)
+    B, H, G, P, T, D, k = 64, 4, 2, 16, 4, 16, 4
+    keys = torch.randn(B, H, P * T, D, generator=g)
+    query = torch.randn(B, H * G, D, generator=g)
+    slot_page, _, _ = _pages(keys, T)
+    valid = torch.ones(B, H, P * T, dtype=torch.bool)
+    cand = torch.ones(B, H, P, dtype=torch.bool)
+    rand = topk_mask(torch.rand(B, H, P, generator=g), cand, torch.full((B, H), k))
+    mon = RetrievalMonitor()
+    mon.record(0, 0, 1e-3, query, keys, valid, slot_page, 0.25, cand, rand, rand)
+    assert mon.summary()["hit_rate"] == pytest.approx(k / P, abs=0.05)  # 256 head-rows: sd ~0.014
+    # the true top pages (log mass averaged over the group as distributions), picked as a policy would
+    log_mass = exact_page_log_mass(query, keys.view(B, H, P, T, D), torch.ones(B, H, P, T, dtype=torch.bool), 0.25)
+    share = torch.softmax(log_mass, -1).view(B, H, G, P).mean(2)
+    best = topk_mask(share, cand, torch.full((B, H), k))
+    mon = RetrievalMonitor()
+    mon.record(0, 0, 1e-3, query, keys, valid, slot_page, 0.25, cand, best, best)
+    assert mon.summary()["hit_rate"] == pytest.approx(1.0)
+    # the recall is attention_mass_captured of the read tokens: here the read pages' share of the mass
+    attn = exact_attention(query, keys, valid, 0.25).view(B, H, G, P, T).sum(-1)
+    expect = (attn * best.unsqueeze(2)).sum(-1).mean()
+    assert mon.summary()["attention_mass_recall"] == pytest.approx(float(expect), rel=1e-5)
+
+
+def test_quest_on_keys_where_one_page_holds_the_mass_hits_it():
+    g = torch.Generator().manual_seed(1)
+    B, H, P, T, D = 8, 2, 12, 4, 16
+    query = torch.randn(B, H, D, generator=g)
+    keys = 0.1 * torch.randn(B, H, P * T, D, generator=g)
+    hot = torch.randint(P, (B, H), generator=g)  # the page of each head that holds the mass
+    for b in range(B):
+        for h in range(H):
+            keys[b, h, hot[b, h] * T : (hot[b, h] + 1) * T] += 3.0 * query[b, h] / query[b, h].norm()
+    slot_page, start, plen = _pages(keys, T)
+    kind = torch.full((B, H, P), IMAGE, dtype=torch.int8)
+    quest = make_retrieval("quest")
+    pk = keys.view(B, H, P, T, D)
+    summaries = quest.summarize(PageBatch(0, pk, pk, torch.ones(B, H, P, T, dtype=torch.bool), kind, 0))
+    cand = torch.ones(B, H, P, dtype=torch.bool)
+    ctx = DecodeContext(0, query.unsqueeze(2), summaries, start, plen, kind, cand, 1.0)
+    chosen = quest.select(ctx, 1 / P)  # one page per head
+    assert chosen.sum(-1).eq(1).all()
+    mon = RetrievalMonitor()
+    valid = torch.ones(B, H, P * T, dtype=torch.bool)
+    mon.record(0, 0, 1e-3, query, keys, valid, slot_page, 1.0, cand, chosen, chosen)
+    assert mon.summary()["hit_rate"] == 1.0
+    assert mon.summary()["attention_mass_recall"] > 0.9
+    assert mon.summary()["page_utilisation"] == pytest.approx(1 / P)
+
+
+def test_the_prometheus_text_carries_the_monitors_gauges(tiny_random_llava, llava_batch):
+    model, processor = tiny_random_llava
+    s = _generate(model, processor, llava_batch, n=3, retrieval="quest", read_budget=0.5, monitor_retrieval=True)
+    text = to_prometheus(s, labels={"model": "tiny"})
+    m = s["retrieval_monitor"]
+    assert f'mm_oval_retrieval_hit_rate{{model="tiny"}} {m["hit_rate"]!r}' in text
+    for name in ("attention_mass_recall", "page_utilisation", "pages_selected"):
+        assert f"mm_oval_retrieval_{name}{{" in text
+    for per in ("layer", "step"):
+        for q in ("0.5", "0.99"):
+            assert f'mm_oval_retrieval_select_seconds{{model="tiny",per="{per}",quantile="{q}"}}' in text
+
+
+def test_the_knob_is_checked_with_a_message():
+    with pytest.raises(ConfigError, match="monitor_retrieval must be True or False"):
+        OvalConfig(retrieval="quest", monitor_retrieval="yes")
+    with pytest.raises(ConfigError, match="monitor_retrieval=True set without a retrieval method"):
+        OvalConfig(monitor_retrieval=True)
+    assert OvalConfig.from_spec("quest:monitor_retrieval=true", 0.25).monitor_retrieval is True
