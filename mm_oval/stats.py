@@ -31,6 +31,19 @@ dtypes, real tokens only (never padding):
   keys they spare), `image_read_vs_dense`, `text_read_vs_dense` per modality;
 - `over_budget`: with `read_bytes_budget`, the (layer, KV head, step) reads whose summaries and
   always-read pages alone exceeded the budget (they read no optional page), else 0.
+
+With `monitor_retrieval` (`RetrievalMonitor`), `retrieval_monitor` measures each layer's page selection at
+each decode step against exact attention of the step's newest token over the resident slots, pooled over
+steps, layers, the batch and heads (absent without the knob or before any selection):
+- `hit_rate`: selected pages that are among the true top-k candidate pages, over the pages selected (k =
+  the pages selected for that KV head and step; a page's true mass is its share of exact attention, the
+  query heads' page distributions averaged over the KV head's group);
+- `attention_mass_recall`: `page_measures.attention_mass_captured` of the tokens read (selected and
+  always-read pages), the mean over (step, layer, sample, query head);
+- `page_utilisation`: the share of the request's (layer, sample, KV head) candidate pages read at least once;
+- `pages_selected` (the denominator of `hit_rate`), `layer_steps` (the selections measured);
+- `select_ms_p50` / `select_ms_p99`: one layer's `select` (perf_counter; synchronised on CUDA), median and
+  99th percentile over the (layer, step) calls; `step_select_ms_p50` / `_p99`: summed over a step's layers.
 """
 
 from __future__ import annotations
