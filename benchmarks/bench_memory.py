@@ -12,11 +12,14 @@ own process, so one configuration's freed memory is not another's:
 
 - kv / summaries / method MiB: the cache's allocated bytes after the request (mm_oval.stats: KV storage with
   its decode slots, page summaries, method state such as the kept `inputs_embeds`), and summaries / kv;
-- peak MiB: the process's peak resident memory during the request above its resident memory just before
-  (Linux: /proc/self/status VmHWM, reset through /proc/self/clear_refs; glibc's mmap threshold is fixed at
-  64 KiB in the child, so freed tensors leave the resident set); `+dense`: that peak less dense's;
-  `+dense - held`: less also what the method still holds afterwards (summaries, method state): the
-  transient cost of building them, to compare with one layer's full KV (`layer kv`, printed in the title).
+- peak MiB: the process's peak resident memory during the request above its resident memory before the
+  model was wrapped (Linux: /proc/self/status VmHWM, reset through /proc/self/clear_refs after a warm-up
+  request of one image; glibc's mmap threshold is fixed at 64 KiB in the child, so freed tensors leave
+  the resident set); `+dense`: that peak less dense's (a peak is a maximum over time: summaries built in
+  one layer's attention add to the peak only what they hold when the model's own activations peak);
+- build MiB: the most one summary build (`PagedLayer._summarize`: a layer's prompt pages, or pages
+  closing at decode) raised the resident memory above where it started, the summaries it made included
+  (`output`): what building summaries adds; `/layer kv` divides by one layer's full KV (in the title).
 
 A configuration that would allocate more than `--max-extra-gib` above its starting address space fails in
 its own process (the row says so) rather than taking the machine's memory.
@@ -43,6 +46,7 @@ from bench_overhead import LLAVA7B  # noqa: E402
 from bench_wrap import MID  # noqa: E402
 
 import mm_oval  # noqa: E402
+from mm_oval.cache import PagedLayer  # noqa: E402
 from mm_oval.config import OvalConfig  # noqa: E402
 from mm_oval.files import atomic_write_json  # noqa: E402
 from mm_oval.stats import get_stats  # noqa: E402
@@ -79,6 +83,35 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
+class _Peaks:
+    """The request's peak resident memory and that of each summary build (`PagedLayer._summarize`), from
+    the one VmHWM: reset before each build, and folded into the request's running peak before each reset."""
+
+    def __init__(self) -> None:
+        self.request = 0.0
+        self.build = 0.0  # the most one build call added to the resident memory it started from (MiB)
+        self.build_output = 0.0  # the summaries that call added (MiB)
+
+    def fold(self) -> None:
+        self.request = max(self.request, _status_mib("VmHWM"))
+
+    def measure_builds(self) -> None:
+        real = PagedLayer._summarize
+        peaks = self
+
+        def measured(layer: PagedLayer, first: int, stop: int) -> None:
+            held = lambda: sum(t.untyped_storage().nbytes() for t in layer.summaries.values()) / MIB  # noqa: E731
+            peaks.fold()
+            start, before = _status_mib("VmRSS"), held()
+            _reset_peak()
+            real(layer, first, stop)
+            added = _status_mib("VmHWM") - start
+            if added > peaks.build:
+                peaks.build, peaks.build_output = added, held() - before
+
+        PagedLayer._summarize = measured
+
+
 def child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -90,6 +123,7 @@ def child(args: argparse.Namespace) -> dict:
 
         shapes = RouterConfig(text.hidden_size, text.num_hidden_layers, text.num_key_value_heads)
         save_router(HybridRouter(shapes), args.router_dir)
+    before = _status_mib("VmRSS")  # the same for every configuration: the peak is counted from here
     model = mm_oval.wrap(model, config(args.child, args.router_dir, args.read_budget))
     side = model.config.vision_config.image_size
     g = torch.Generator().manual_seed(0)
@@ -110,7 +144,8 @@ def child(args: argparse.Namespace) -> dict:
     space = _status_mib("VmSize")
     limit = int((space + 1024 * args.max_extra_gib) * MIB)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    before = _status_mib("VmRSS")
+    peaks = _Peaks()
+    peaks.measure_builds()
     _reset_peak()
     t0 = time.perf_counter()
     error = None
@@ -120,11 +155,13 @@ def child(args: argparse.Namespace) -> dict:
     except (RuntimeError, MemoryError) as e:  # the address-space limit: the allocation that did not fit
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     seconds = time.perf_counter() - t0
-    peak = _status_mib("VmHWM") - before
+    peaks.fold()
+    peak = peaks.request - before
     d = text.hidden_size // text.num_attention_heads
     layer_kv = 2 * args.batch * text.num_key_value_heads * n_prompt * d * torch.finfo(dtype).bits // 8
     row = {"config": args.child, "prompt_tokens": n_prompt, "peak_mib": peak, "seconds": seconds,
-           "layer_kv_bytes": layer_kv, "error": error}  # fmt: skip
+           "build_peak_mib": peaks.build, "build_output_mib": peaks.build_output, "layer_kv_bytes": layer_kv,
+           "error": error}  # fmt: skip
     if error is None:
         s = get_stats(model)
         a = s["allocated_bytes"]
@@ -179,19 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(title)
     print(f"{'config':<8}{'kv MiB':>9}{'summ MiB':>10}{'summ/kv':>9}{'method MiB':>12}{'peak MiB':>10}"
-          f"{'+dense':>9}{'+dense-held':>13}{'/layer kv':>11}{'s':>7}")  # fmt: skip
+          f"{'+dense':>9}{'/layer kv':>11}{'build MiB':>11}{'(output)':>10}{'/layer kv':>11}{'s':>7}")  # fmt: skip
     for r in rows:
         if r.get("error") is not None and "kv_bytes" not in r:
             print(f"{r['config']:<8} failed: {r['error']}")
             continue
-        held = (r["summary_bytes"] + r["method_bytes"]) / MIB
         added = r["peak_mib"] - dense["peak_mib"] if dense else float("nan")
         r["peak_over_dense_mib"] = added
-        r["transient_over_dense_mib"] = added - held
+        lkv = layer_kv / MIB
         print(
             f"{r['config']:<8}{r['kv_bytes'] / MIB:>9.1f}{r['summary_bytes'] / MIB:>10.1f}"
             f"{r['summary_bytes'] / r['kv_bytes']:>9.3f}{r['method_bytes'] / MIB:>12.1f}{r['peak_mib']:>10.1f}"
-            f"{added:>9.1f}{added - held:>13.1f}{(added - held) * MIB / layer_kv:>11.2f}{r['seconds']:>7.1f}"
+            f"{added:>9.1f}{added / lkv:>11.2f}{r['build_peak_mib']:>11.1f}{r['build_output_mib']:>10.1f}"
+            f"{r['build_peak_mib'] / lkv:>11.2f}{r['seconds']:>7.1f}"
         )
     if args.out:
         payload = {"title": title, "batch": args.batch, "images": args.images, "layers": args.layers,
