@@ -459,10 +459,11 @@ class PagedLayer(CacheLayerMixin):
         T = self._page_width(first, stop)
         step = self._summary_chunk(T)
         new: dict[str, torch.Tensor] = {}
+        slot_src = self.slot_src
         for a in range(first, stop, step):
             b = min(stop, a + step)
             k, v, mask, src = gather_pages(
-                self.keys, self.values, self.page_start, self.page_len, slice(a, b), self.slot_src
+                self.keys, self.values, self.page_start, self.page_len, slice(a, b), slot_src
             )
             if k.shape[-2] < T:  # the padding gather_pages gives the pages of the whole range
                 pad = T - k.shape[-2]
