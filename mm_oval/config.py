@@ -271,8 +271,9 @@ class OvalConfig:
 
     @classmethod
     def from_spec(cls, spec: str, budget: float | int | None = None, **overrides: Any) -> OvalConfig:
-        """Parse "name" or "name:key=value,key=value". Keys naming an OvalConfig field set it; the others
-        are the method's options.
+        """Parse "name" or "name:key=value,key=value". Keys naming an OvalConfig field set it, keys
+        `retrieval.<option>` set an option of the retrieval method (e.g. "kvp:retrieval=oval,
+        retrieval.summary_format=compact"); the others are the method's options.
 
         `budget` (when given) is the spec's budget axis, the one a sweep varies (`budget_field` names it):
         - for an eviction method ("snapkv", "kvp:..."), the image tokens kept: it sets `budget`;
@@ -304,6 +305,14 @@ class OvalConfig:
                 )
             if key in fields or key in options:
                 raise ConfigError(f"{key!r} is given twice in method spec {spec!r}; give each key once")
+            if key.startswith("retrieval."):  # an option of the retrieval method (e.g. retrieval.rank=4)
+                sub = key[len("retrieval.") :]
+                if not sub:
+                    raise ConfigError(f"bad item {item!r} in method spec {spec!r}; write retrieval.<option>=value")
+                if sub in fields.get("retrieval_options", {}):
+                    raise ConfigError(f"{key!r} is given twice in method spec {spec!r}; give each key once")
+                fields.setdefault("retrieval_options", {})[sub] = _parse_value(raw.strip())
+                continue
             (fields if key in names else options)[key] = _parse_value(raw.strip())
         name = name.strip()
         retrieval_alone = budget_field(name) == "read_budget"

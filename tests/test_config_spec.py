@@ -170,3 +170,18 @@ def test_the_two_scopes_have_their_own_names_and_the_former_ones_are_refused_wit
     with pytest.raises(ConfigError, match="'retrieval_scope' .* is now called 'read_scope'"):
         OvalConfig.from_spec("oval:retrieval_scope=all", 0.25)
     assert OvalConfig.from_spec("oval:read_scope=all", 0.25).read_scope == "all"
+
+
+def test_retrieval_options_ride_in_an_eviction_spec_with_their_prefix():
+    cfg = OvalConfig.from_spec(
+        "kvp:agents=bundled576-image,retrieval=oval,retrieval.summary_format=compact,retrieval.rank=4,"
+        "read_bytes_budget=0.5",
+        0.25,
+    )
+    assert cfg.method == "kvp" and cfg.budget == 0.25 and cfg.read_bytes_budget == 0.5
+    assert cfg.retrieval == "oval" and cfg.retrieval_options == {"summary_format": "compact", "rank": 4}
+    assert cfg.method_options == {"agents": "bundled576-image"}
+    with pytest.raises(ConfigError, match="given twice"):
+        OvalConfig.from_spec("snapkv:retrieval=oval,retrieval.rank=4,retrieval.rank=2", 0.25)
+    with pytest.raises(ConfigError, match=r"retrieval\.<option>"):
+        OvalConfig.from_spec("snapkv:retrieval=oval,retrieval.=4", 0.25)
