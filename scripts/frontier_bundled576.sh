@@ -8,6 +8,7 @@
 # float and compact summaries, and router v2 when its bundled weights exist. Each cell resumes; tables
 # and plots land in docs/results/frontier_*_576.md / .png. First questions of each dev set only (VQAv2
 # 80 = 10 per type, lists 20, conversations 40 = 10 of 4); LIMIT_VQA, LIMIT_LIST, LIMIT_MT change that.
+# Then retrieval on top of KVP eviction (SKIP_KVP=1 leaves it out).
 #
 #   scripts/frontier_bundled576.sh
 set -euo pipefail
@@ -37,3 +38,15 @@ run vqav2_compress_image --task vqav2 --compress image --limit "${LIMIT_VQA:-80}
 run objlist_compress_image --task objlist --compress image --limit "${LIMIT_LIST:-20}" --batch-size 10 &
 run vqav2_multi_turn4 --task vqav2 --multi-turn 4 --limit "${LIMIT_MT:-40}" &
 wait
+# Retrieval on top of KVP eviction: the eviction budget (10%, 25% of the image KV kept) on the budget axis,
+# the retrieval method reading a share of the kept cache's bytes per step.
+K=kvp:sink_tokens=3,recent_tokens=0,agents=bundled576-image
+R=retrieval=oval,page_sizing=dynamic,retrieval.summary_format=compact
+KVP_METHODS=($K "$K,$R,read_bytes_budget=0.5" "$K,$R,read_bytes_budget=0.25" "$K,retrieval=quest,read_bytes_budget=0.5")
+if [ -z "${SKIP_KVP:-}" ]; then
+    METHODS=("${KVP_METHODS[@]}")
+    BUDGETS=${KVP_BUDGETS:-0.1,0.25}
+    run kvp_vqav2_compress_image --task vqav2 --compress image --limit "${LIMIT_VQA:-80}" --batch-size 20 &
+    run kvp_objlist_compress_image --task objlist --compress image --limit "${LIMIT_LIST:-20}" --batch-size 10 &
+    wait
+fi
