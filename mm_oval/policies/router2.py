@@ -1,0 +1,501 @@
+"""Router v2: a hybrid page router that starts as a training-free key-summary scorer and learns a correction.
+
+For one decode step, layer l and KV head h, page j's logit is
+
+    logit_j = base_j + correction_j
+
+- base_j: the configured training-free scorer's own score of the page for the current query (`base="quest"`
+  or `"oval"`: that policy object's `summarize` / `score_pages`, nothing copied), a log page probability;
+- correction_j = u_{l,h} . e_j                      (content: text state x page content)
+               + w_{l,h} (-d_j / tau)               (locality: distance decay, learned weight)
+               + g_{l,h} . GCN(co-read graph)_j      (optional: pages read together over the last steps)
+
+  with e_j = mean over the page's tokens of W_page LN(x_t) + kind_j (x_t the LM input embedding: the model's
+  own CLIP feature through the projector for image tokens, the token embedding for text; W_page initialised
+  from the principal directions of such contents), u_{l,h} from the text state t = W_text LN(h_prev) (the
+  previous token's final hidden state) fused with the image pages by one cross-attention, a 2-layer MLP and
+  an output layer with LoRA. The output layer, w and g start at exactly zero, so an untrained router v2
+  selects exactly what its base scorer selects; training (mm_oval.training.router, `mm-oval train-router
+  --version 2`) distils full attention's page mass into base + correction.
+
+Per page the router reads its own record, e_j (route_dim entries in the model's dtype), besides the base
+scorer's summary: `summary_bytes` counts both. Page embeddings are projected per token to route_dim before
+pooling, so no (pages x tokens x hidden) gather is ever made.
+
+`predict_ahead="step"` scores step t+1's pages from step t's state: the base scorer gets the previous step's
+query of the same layer (the correction already routes from the previous token's hidden state), so a
+serving system can fetch the pages before the query exists. `predict_ahead_hit_rate` measures how many of
+the pages the exact scores choose the predicted ones hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import weakref
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
+from torch import nn
+
+from ..errors import ConfigError, DataError, ModelError
+from ..files import atomic_write_bytes, atomic_write_json
+from .base import (
+    IMAGE,
+    DecodeContext,
+    PageBatch,
+    RetrievalPolicy,
+    budget_count,
+    make_retrieval,
+    register_retrieval,
+    topk_mask,
+)
+from .router import LoRALinear, check_signature
+
+WEIGHTS_FILE = "router2.safetensors"
+CONFIG_FILE = "router2.json"
+BASES = ("quest", "oval")
+BASE_FLOOR = -1e4  # an empty-probability page's base score (-inf) is floored here: finite for training
+_HINT = "train one for this model with `mm-oval train-router --version 2 --model <model> --out <dir>`"
+
+
+@dataclass
+class Router2Config:
+    """Shapes of a router v2, its base scorer and its parts, and the model it belongs to."""
+
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    base: str = "quest"
+    base_options: dict[str, Any] = field(default_factory=dict)
+    route_dim: int = 16
+    mlp_hidden: int = 64
+    lora_rank: int = 4
+    lora_alpha: float = 8.0
+    locality_tau: float = 32.0
+    content: bool = True  # the content x text-state term
+    locality: bool = True  # the distance-decay term
+    gcn: bool = False  # the co-read graph term
+    gcn_window: int = 8  # steps of page reads the co-read graph holds
+    model: dict[str, Any] = field(default_factory=dict)
+    page_init: str = "pca"
+
+    def validate(self) -> None:
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_kv_heads",
+            "route_dim",
+            "mlp_hidden",
+            "lora_rank",
+            "gcn_window",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"router2 config: {name} must be an int >= 1, got {v!r}")
+        if self.base not in BASES:
+            raise ConfigError(f"router2: base must be one of {', '.join(BASES)}, got {self.base!r}")
+        if not isinstance(self.base_options, dict):
+            raise ConfigError(f"router2: base_options must be a dict, got {self.base_options!r}")
+        if self.locality_tau <= 0:
+            raise ConfigError(f"router2 config: locality_tau must be > 0, got {self.locality_tau}")
+
+
+class Router2Net(nn.Module):
+    """The correction network. Inputs are plain tensors, so training and the cache share it."""
+
+    def __init__(self, config: Router2Config):
+        super().__init__()
+        config.validate()
+        self.config = c = config
+        r = c.route_dim
+        self.content_norm = nn.LayerNorm(c.hidden_size, elementwise_affine=False)
+        self.page_proj = nn.Linear(c.hidden_size, r, bias=False)
+        self.kind_emb = nn.Embedding(2, r)  # TEXT, IMAGE
+        nn.init.zeros_(self.kind_emb.weight)
+        self.text_norm = nn.LayerNorm(c.hidden_size)
+        self.text_proj = nn.Linear(c.hidden_size, r)
+        self.xq = nn.Linear(r, r)
+        self.xk = nn.Linear(r, r)
+        self.xv = nn.Linear(r, r)
+        self.xo = nn.Linear(r, r)
+        self.mlp = nn.Sequential(nn.Linear(2 * r, c.mlp_hidden), nn.GELU())
+        self.out = LoRALinear(c.mlp_hidden, c.num_layers * c.num_kv_heads * r, c.lora_rank, c.lora_alpha)
+        nn.init.zeros_(self.out.base.weight)  # the content term starts at exactly zero
+        nn.init.zeros_(self.out.base.bias)
+        self.locality_weight = nn.Parameter(torch.zeros(c.num_layers, c.num_kv_heads))
+        self.gcn_in = nn.Linear(r + 1, r)
+        self.gcn_weight = nn.Parameter(torch.zeros(c.num_layers, c.num_kv_heads, r))
+
+    # pages ------------------------------------------------------------------------------------------
+    def token_embeddings(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) LM input embeddings -> (..., route_dim): W_page LN(x), per token."""
+        return self.page_proj(self.content_norm(inputs_embeds.float()))
+
+    def page_embeddings(self, content: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+        """content (..., hidden) = the mean of LN(x) over each page's tokens (what training captures) -> (..., R).
+        The same as pooling `token_embeddings` (W_page is linear)."""
+        return self.page_proj(content.float()) + self.kind_emb((kind == IMAGE).long())
+
+    def text_state(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) -> (B, R): the previous token's state, the same for every layer of a step."""
+        return self.text_proj(self.text_norm(last_hidden.float()))
+
+    # one step ---------------------------------------------------------------------------------------
+    def correction(
+        self,
+        text_state: torch.Tensor,
+        page_emb: torch.Tensor,
+        page_kind: torch.Tensor,
+        page_valid: torch.Tensor,
+        base: torch.Tensor,
+        layer_idx: int,
+        history: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """text_state (B, R), page_emb (B, Hkv, P, R), page_kind/page_valid (B, Hkv, P), base (B, Hkv, P) the
+        floored base scores, history (B, Hkv, W, P) bool pages read at the last W steps (GCN) -> (B, Hkv, P)."""
+        c = self.config
+        b, hkv, p, r = page_emb.shape
+        out = page_emb.new_zeros(b, hkv, p)
+        if c.content:
+            q = self.xq(text_state)  # (B, R)
+            att = torch.einsum("br,bhpr->bhp", q, self.xk(page_emb)) / math.sqrt(r)
+            att = att.masked_fill(~(page_valid & (page_kind == IMAGE)), float("-inf"))
+            w = torch.softmax(att, -1).nan_to_num(0.0)  # no image page: no fused term
+            fused = self.xo(torch.einsum("bhp,bhpr->bhr", w, self.xv(page_emb)))  # (B, Hkv, R)
+            z = self.mlp(torch.cat([text_state.unsqueeze(1).expand(b, hkv, r), fused], -1))  # (B, Hkv, M)
+            L, H = c.num_layers, c.num_kv_heads
+            w_out = self.out.base.weight.view(L, H, r, -1)[layer_idx, :hkv]  # only this layer's rows
+            b_out = self.out.base.bias.view(L, H, r)[layer_idx, :hkv]
+            lora_b = self.out.lora_b.view(L, H, r, -1)[layer_idx, :hkv]
+            u = torch.einsum("bhm,hrm->bhr", z, w_out) + b_out
+            u = u + self.out.scale * torch.einsum("bhk,hrk->bhr", z @ self.out.lora_a.T, lora_b)
+            out = out + torch.einsum("bhr,bhpr->bhp", u, page_emb)
+        if c.locality:
+            idx = torch.arange(p, device=page_emb.device)
+            newest = torch.where(page_valid, idx, -1).amax(-1, keepdim=True)
+            dist = (newest - idx).clamp(min=0).float()
+            out = out - self.locality_weight[layer_idx, :hkv, None] * dist / c.locality_tau
+        if c.gcn and history is not None and history.shape[-2] > 0:
+            out = out + (
+                self.gcn_features(page_emb, base, page_valid, history)
+                * self.gcn_weight[layer_idx, :hkv, None]
+            ).sum(-1)
+        return out
+
+    def gcn_features(
+        self, page_emb: torch.Tensor, base: torch.Tensor, page_valid: torch.Tensor, history: torch.Tensor
+    ) -> torch.Tensor:
+        """One GCN layer over the co-read graph A = S^T S + I (S: the last W steps' page reads, (.., W, P)),
+        row-normalised, on node features [e_j, standardised base_j]; computed as S^T (S x) without forming A."""
+        s = history.float() * page_valid.unsqueeze(-2)
+        bz = base.masked_fill(~page_valid, 0.0)
+        n = page_valid.sum(-1, keepdim=True).clamp(min=1)
+        mean = bz.sum(-1, keepdim=True) / n
+        std = (((bz - mean) * page_valid).pow(2).sum(-1, keepdim=True) / n).sqrt().clamp_min(1e-3)
+        x = torch.cat([page_emb, (((bz - mean) / std) * page_valid).unsqueeze(-1)], -1)  # (B, Hkv, P, R+1)
+        agg = torch.einsum("bhwp,bhwf->bhpf", s, torch.einsum("bhwp,bhpf->bhwf", s, x)) + x
+        deg = torch.einsum("bhwp,bhw->bhp", s, s.sum(-1)) + 1.0
+        return torch.nn.functional.gelu(self.gcn_in(agg / deg.unsqueeze(-1)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# saving and loading
+
+
+def save_router2(net: Router2Net, out_dir: str | Path) -> Path:
+    """Write router2.safetensors and router2.json into out_dir (each atomically)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    atomic_write_bytes(out / WEIGHTS_FILE, save(state))
+    atomic_write_json(out / CONFIG_FILE, {"format": "mm-oval-router2-1", **asdict(net.config)})
+    return out
+
+
+def load_router2(path: str | Path, model: Any = None) -> Router2Net:
+    """Load a router v2 directory; with `model`, check it was trained for that model (ModelError otherwise)."""
+    d = Path(path)
+    cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise DataError(f"{d}: not a router v2 directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); {_HINT}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+        raw.pop("format", None)
+        config = Router2Config(**raw)
+    except (json.JSONDecodeError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise DataError(f"{cfg_path}: not a valid router v2 config ({e}); retrain or restore it") from e
+    net = Router2Net(config)
+    try:
+        state = load_file(str(w_path))
+    except (SafetensorError, OSError) as e:
+        raise DataError(f"{w_path} is truncated or corrupt ({e}); retrain or restore the router") from e
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as e:
+        raise DataError(
+            f"{w_path}: weights do not match {cfg_path} ({e}); retrain or restore the router"
+        ) from e
+    if model is not None:
+        check_signature(config.model, model, str(d))
+    return net.eval()
+
+
+BUNDLED = {"bundled576": "tiny_llava576_router2"}  # weights=NAME -> mm_oval.zoo package data folder
+
+
+def bundled_router2_path(name: str = "bundled576") -> Path:
+    """The router v2 trained for a bundled model (package data beside it)."""
+    if name not in BUNDLED:
+        raise ConfigError(
+            f"router2: unknown bundled weights {name!r}; known: {', '.join(BUNDLED)}, or a directory"
+        )
+    path = Path(str(resources.files("mm_oval.zoo") / BUNDLED[name]))
+    if not (path / CONFIG_FILE).is_file():
+        raise ModelError(
+            f"no bundled router v2 in {path}; {_HINT} and pass retrieval_options={{'weights': DIR}}"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the retrieval policy
+
+
+class _StepMemory:
+    """Per layer, something from the previous decode step of the same request (the cache's StepState
+    identifies the request: a new request starts empty)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, ctx: DecodeContext) -> Any:
+        item = self._items.get(ctx.layer_idx)
+        if item is None or item[0]() is not ctx.step:
+            return None
+        return item[1]
+
+    def put(self, ctx: DecodeContext, value: Any) -> None:
+        self._items[ctx.layer_idx] = (weakref.ref(ctx.step), value)
+
+
+def predicted_context(ctx: DecodeContext, previous_query: torch.Tensor | None) -> DecodeContext:
+    """The context a predict-ahead scorer sees: the previous step's query (the newest row) in place of this
+    step's; this step's own when there is none (the first decode step)."""
+    if previous_query is None:
+        return ctx
+    return dataclasses.replace(ctx, query=previous_query)
+
+
+@register_retrieval
+class Router2Retrieval(RetrievalPolicy):
+    """Router v2 (module docstring). Options: `weights` (a router2 directory, a bundled name such as
+    "bundled576", or "none": no correction, the base scorer alone), `base` ("quest" or "oval"; with trained
+    weights, the one they were trained on), `base_options` (the base scorer's options), `predict_ahead`
+    ("off" or "step"), `gcn_budget` (the share of candidates a step counts as read in the co-read graph)."""
+
+    name: ClassVar[str] = "router2"
+    needs_inputs_embeds: ClassVar[bool] = True
+    needs_last_hidden: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        weights: str | Path | None = "bundled576",
+        base: str | None = None,
+        base_options: dict[str, Any] | None = None,
+        predict_ahead: str = "off",
+        net: Router2Net | None = None,
+        model: Any = None,
+        check_weights: bool = True,
+        gcn_budget: float = 0.25,
+    ):
+        if predict_ahead not in ("off", "step"):
+            raise ConfigError(f"router2: predict_ahead must be 'off' or 'step', got {predict_ahead!r}")
+        if net is None and weights not in (None, "none"):
+            w = str(weights)
+            self.source = str(bundled_router2_path(w)) if w in BUNDLED else w
+            net = load_router2(self.source)
+        else:
+            self.source = "<in-memory>" if net is not None else "<none>"
+        self.net = net.eval() if net is not None else None
+        trained = self.net.config if self.net is not None else None
+        if trained is not None and base is not None and base != trained.base:
+            raise ConfigError(
+                f"router2: the weights in {self.source} were trained on base={trained.base!r}, not {base!r}; "
+                f"drop the base option or {_HINT}"
+            )
+        self.base_name = trained.base if trained is not None else (base or "quest")
+        if self.base_name not in BASES:
+            raise ConfigError(f"router2: base must be one of {', '.join(BASES)}, got {self.base_name!r}")
+        opts = dict(trained.base_options if trained is not None else {}) | dict(base_options or {})
+        self.base = make_retrieval(self.base_name, **opts)
+        self.predict_ahead = predict_ahead
+        self.check_weights = check_weights
+        self.gcn_budget = float(gcn_budget)
+        self._base_keys: set[str] = set()
+        self._previous_query = _StepMemory()
+        self._history = _StepMemory()
+        if model is not None:
+            self.bind(model)
+
+    def bind(self, model: Any) -> None:
+        """Check the weights against `model` (`mm_oval.wrap` calls this): a ModelError for another model."""
+        if self.net is not None and self.net.config.model:
+            check_signature(self.net.config.model, model, self.source, self.check_weights)
+        getattr(self.base, "bind", lambda m: None)(model)
+
+    # summaries --------------------------------------------------------------------------------------
+    def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
+        out = dict(self.base.summarize(pages))
+        self._base_keys = set(out)
+        if self.net is None:
+            return out
+        c = self.net.config
+        if not 0 <= pages.layer_idx < c.num_layers:
+            raise ModelError(
+                f"the router v2 in {self.source} covers {c.num_layers} layers, this model has a layer "
+                f"{pages.layer_idx}: it belongs to another model; {_HINT}"
+            )
+        embeds, token_index = pages.request.inputs_embeds, pages.token_index
+        b, hkv, p = pages.kind.shape
+        dtype = pages.keys.dtype
+        with torch.no_grad():
+            net = self.net.to(pages.keys.device)
+            if embeds is None or token_index is None:
+                if bool((pages.kind == IMAGE).any()):
+                    raise ConfigError(
+                        "router2 needs page contents: PageBatch.token_index and request.inputs_embeds "
+                        "(the prompt's input embeddings); this cache does not provide them"
+                    )
+                emb = net.kind_emb((pages.kind == IMAGE).long())
+            else:
+                emb = pool_token_embeddings(net.token_embeddings(embeds), token_index)
+                emb = emb + net.kind_emb((pages.kind == IMAGE).long())
+        out["r2_emb"] = emb.to(dtype)  # (B, Hkv, P, R): the router's own per-page record
+        return out
+
+    def _base_summaries(self, summaries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in summaries.items() if k != "r2_emb"}
+
+    def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
+        """The base scorer's summary bytes plus the router's page embedding (route_dim entries, its dtype)."""
+        own = self.base.summary_bytes(self._base_summaries(summaries), page_len)
+        e = summaries.get("r2_emb")
+        if e is not None:
+            own = own + e.shape[-1] * e.element_size()
+        return own
+
+    # scores -----------------------------------------------------------------------------------------
+    def base_scores(self, ctx: DecodeContext) -> torch.Tensor:
+        """The base scorer's page scores (floored at BASE_FLOOR), from this step's query or, predicting
+        ahead, the previous step's."""
+        if self.predict_ahead == "step":
+            prev = self._previous_query.get(ctx)
+            self._previous_query.put(ctx, ctx.query[:, :, -1:].detach())
+            if prev is not None and prev.shape[:2] != ctx.query.shape[:2]:
+                prev = None
+            ctx = predicted_context(ctx, prev)
+        sub = dataclasses.replace(ctx, summaries=self._base_summaries(ctx.summaries))
+        return self.base.score_pages(sub).float().clamp(min=BASE_FLOOR)
+
+    def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
+        base = self.base_scores(ctx)
+        if self.net is None:
+            return base
+        hidden = ctx.step.last_hidden
+        if hidden is None:
+            raise ConfigError(
+                "router2 needs DecodeContext.step.last_hidden (the previous token's hidden state)"
+            )
+        if hidden.shape[-1] != self.net.config.hidden_size:
+            raise ModelError(
+                f"the router v2 expects hidden size {self.net.config.hidden_size}, the model has "
+                f"{hidden.shape[-1]}: it was trained for another model; {_HINT}"
+            )
+        with torch.no_grad():
+            cached = ctx.step.router_text_state  # one text state per step, shared by the layers
+            if cached is None or cached[0] is not hidden:
+                cached = ctx.step.router_text_state = (hidden, self.net.text_state(hidden))
+            history = self._gcn_history(ctx) if self.net.config.gcn else None
+            corr = self.net.correction(
+                cached[1],
+                ctx.summaries["r2_emb"].float(),
+                ctx.page_kind,
+                ctx.page_len > 0,
+                base,
+                ctx.layer_idx,
+                history,
+            )
+        return base + corr
+
+    def _gcn_history(self, ctx: DecodeContext) -> torch.Tensor:
+        h = self._history.get(ctx)
+        p = ctx.page_len.shape[-1]
+        if h is None:
+            return ctx.candidates.new_zeros(*ctx.candidates.shape[:2], 0, p)
+        return torch.nn.functional.pad(h, (0, p - h.shape[-1])) if h.shape[-1] < p else h[..., :p]
+
+    def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor) -> torch.Tensor:
+        scores = self.score_pages(ctx)
+        chosen = topk_mask(scores, ctx.candidates, _pages_for(ctx.candidates, read_budget))
+        if self.net is not None and self.net.config.gcn:  # what the co-read graph of later steps holds
+            read = topk_mask(scores, ctx.candidates, _pages_for(ctx.candidates, self.gcn_budget))
+            h = torch.cat([self._gcn_history(ctx), read.unsqueeze(-2)], -2)
+            self._history.put(ctx, h[..., -self.net.config.gcn_window :, :])
+        return chosen
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return list(self.net.parameters()) if self.net is not None else []
+
+
+def _pages_for(candidates: torch.Tensor, read_budget: float | torch.Tensor) -> torch.Tensor:
+    """(B, Hkv) long: the pages a read budget allows, by `RetrievalPolicy.select`'s rule."""
+    n = candidates.sum(-1)
+    if isinstance(read_budget, torch.Tensor):
+        return read_budget.clamp(min=0).minimum(n)
+    return budget_count(float(read_budget), n)
+
+
+def pool_token_embeddings(tok: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """tok (B, N, R) per-token embeddings of the prompt, token_index (B, Hkv, P, T) the prompt index of each
+    page token (-1: none) -> (B, Hkv, P, R), the mean over each page's prompt tokens (0 for none). Gathers
+    route_dim entries per token, never the hidden size."""
+    b, n, r = tok.shape
+    ok = (token_index >= 0) & (token_index < n)
+    flat = token_index.clamp(0, n - 1).reshape(b, -1)
+    g = tok.gather(1, flat.unsqueeze(-1).expand(-1, -1, r)).view(*token_index.shape, r)
+    w = ok.unsqueeze(-1).to(g.dtype)
+    return (g * w).sum(-2) / w.sum(-2).clamp_min(1.0)
+
+
+def predict_ahead_hit_rate(
+    policy: RetrievalPolicy,
+    ctx: DecodeContext,
+    previous_query: torch.Tensor,
+    read_budget: float | torch.Tensor,
+) -> torch.Tensor:
+    """(B, Hkv): of the pages `policy` chooses at this step from the exact scores (`ctx.query`), the share the
+    pages it chooses from the previous step's query (`previous_query`) hold. 1 where nothing is chosen.
+    A router v2 is asked for its base scores by query (its correction does not depend on the query)."""
+
+    def pick(c: DecodeContext) -> torch.Tensor:
+        if isinstance(policy, Router2Retrieval):  # its scores by query alone: no memory of earlier steps
+            mode, policy.predict_ahead = policy.predict_ahead, "off"
+            try:
+                scores = policy.score_pages(c)
+            finally:
+                policy.predict_ahead = mode
+            return topk_mask(scores, c.candidates, _pages_for(c.candidates, read_budget))
+        return policy.select(c, read_budget)
+
+    exact = pick(ctx)
+    ahead = pick(predicted_context(ctx, previous_query))
+    n = exact.sum(-1)
+    hit = (exact & ahead).sum(-1)
+    return torch.where(n > 0, hit.double() / n.clamp(min=1), torch.ones_like(n, dtype=torch.double))
