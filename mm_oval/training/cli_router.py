@@ -3,6 +3,11 @@
 mm-oval train-router --out runs/router                       # the bundled tiny LLaVA, zoo train prompts
 mm-oval train-router --model llava-hf/llava-1.5-7b-hf --data mmbench_dev.tsv --out runs/router7b
 mm-oval train-router --clip-model ViT-B-32 --clip-pretrained /ckpt/open_clip_vit_b32.bin ...
+mm-oval train-router --version 2 --base quest --model bundled576 --data zoo576:256 --val zoo576:64 --out runs/r2
+
+`--version 2` trains router v2 (mm_oval.policies.router2): base scorer + zero-initialised correction. Its
+captures are kept in --out (capture_train.safetensors, capture_val.safetensors) and the weights are written
+after every epoch, so a run stopped part-way resumes with --resume.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--gamma", type=float, default=2.0, help="focal loss exponent")
-    parser.add_argument("--route-dim", type=int, default=64)
+    parser.add_argument("--route-dim", type=int, default=None, help="default: 64 (router), 16 (router v2)")
     parser.add_argument(
         "--init", default=None, help="start from this router directory (e.g. with --lora-only)"
     )
@@ -67,10 +72,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is fastest for tiny models)"
     )
+    parser.add_argument("--version", type=int, choices=(1, 2), default=1, help="1: the router; 2: router v2")
+    parser.add_argument("--base", choices=("quest", "oval"), default="quest", help="router v2's base scorer")
+    parser.add_argument("--no-content", action="store_true", help="router v2 without the content term")
+    parser.add_argument("--no-locality", action="store_true", help="router v2 without the locality term")
+    parser.add_argument("--gcn", action="store_true", help="router v2 with the co-read graph (GCN) term")
+    parser.add_argument(
+        "--objective", choices=("focal", "gumbel"), default="focal", help="router v2: focal loss or Gumbel top-k"
+    )
+    parser.add_argument("--resume", action="store_true", help="router v2: continue the run in --out")
     add_load_arguments(parser, device=False)  # --device above: the router trains where the model is
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.version == 2:
+        return run2(args)
     if args.lora_only and not args.init:
         raise ConfigError("--lora-only fine-tunes an existing router: pass --init DIR")
     if args.threads:
@@ -101,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if args.init:
         router = load_router(args.init, model)
     else:
-        route_dim = encoder.dim if encoder is not None else args.route_dim
+        route_dim = encoder.dim if encoder is not None else (args.route_dim or 64)
         router = new_router(model, route_dim=route_dim)
         if encoder is not None:
             clip_page_init(router, train, encoder, f"{args.clip_model}:{args.clip_pretrained}")
@@ -134,4 +150,89 @@ def run(args: argparse.Namespace) -> int:
             h["val_random"],
         )
     log.info("router written to %s", out)
+    return 0
+
+
+def run2(args: argparse.Namespace) -> int:
+    """Router v2: capture (or reuse the captures in --out), train with a checkpoint per epoch, save."""
+    import json
+
+    from ..policies.base import make_retrieval
+    from ..policies.router2 import CONFIG_FILE, load_router2, save_router2
+    from .router import (
+        Train2Options,
+        capture_router2_data,
+        load_router2_capture,
+        new_router2,
+        pca_page_init2,
+        save_router2_capture,
+        train_router2,
+    )
+
+    if args.clip_model or args.lora_only or args.init:
+        raise ConfigError("--version 2 takes no --clip-model, --lora-only or --init (use --resume to continue)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, processor, _ = load_from_args(args, args.model or "bundled")
+    base = make_retrieval(args.base)
+    kw = dict(
+        max_new_tokens=args.max_new_tokens,
+        prompt_queries=args.prompt_queries,
+        image_tile=args.image_tile,
+        text_page_size=args.text_page_size,
+    )
+    sets = {}
+    for split, spec, seed in (("train", args.data, 1000), ("val", args.val, 2000)):
+        path = out / f"capture_{split}.safetensors"
+        if not spec:
+            sets[split] = []
+        elif path.is_file():
+            sets[split] = load_router2_capture(path)
+            log.info("reusing %d captured %s prompts from %s", len(sets[split]), split, path)
+        else:
+            prompts = load_prompts(spec, seed=args.seed + seed)
+            sets[split] = capture_router2_data(model, processor, tqdm(prompts, desc=f"capture {split}"), base, **kw)
+            save_router2_capture(sets[split], path)
+    history_path = out / "history.json"
+    start, history = 0, []
+    if args.resume and (out / CONFIG_FILE).is_file() and history_path.is_file():
+        net = load_router2(out, model)
+        history = json.loads(history_path.read_text())["history"]
+        start = len(history)
+        log.info("resuming router v2 training in %s after epoch %d", out, start)
+    else:
+        net = new_router2(
+            model, base=args.base, route_dim=args.route_dim or 16, content=not args.no_content,
+            locality=not args.no_locality, gcn=args.gcn,
+        )  # fmt: skip
+        pca_page_init2(net, sets["train"])
+
+    def checkpoint(epoch: int, rows: list) -> None:
+        save_router2(net, out)
+        atomic_write_json(history_path, {"args": vars(args), "history": history + rows})
+
+    bar = tqdm(total=args.epochs, initial=start, desc="train router2")
+    rows = train_router2(
+        net,
+        sets["train"],
+        sets["val"],
+        Train2Options(epochs=args.epochs, lr=args.lr, batch=args.batch, gamma=args.gamma, objective=args.objective, seed=args.seed),
+        progress=lambda row: (bar.update(1), bar.set_postfix({k: round(v, 4) for k, v in row.items()})),
+        start_epoch=start,
+        checkpoint=checkpoint,
+    )
+    bar.close()
+    checkpoint(args.epochs, rows)
+    if rows and "val25_router2" in rows[-1]:
+        h = rows[-1]
+        log.info(
+            "held-out share of candidate attention mass at 10%% / 25%% of the pages: router2 %.3f / %.3f, "
+            "base %.3f / %.3f, oracle %.3f / %.3f",
+            h["val10_router2"], h["val25_router2"], h["val10_base"], h["val25_base"],
+            h["val10_oracle"], h["val25_oracle"],
+        )  # fmt: skip
+    log.info("router v2 written to %s", out)
     return 0

@@ -19,6 +19,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -243,19 +244,23 @@ def _page_tiles(image, processor, lay, info, p, tok_page, ids) -> list:
 def pca_page_init(router: HybridRouter, samples: list[RouterSample]) -> None:
     """W_page = the top principal directions of the (normalised) page contents: the model's own CLIP
     features for image pages and token embeddings for text pages, kept in one space."""
-    x = torch.cat([s.content for s in samples]).float()
-    x = router.content_norm(x)
+    w = pca_directions(router.content_norm(torch.cat([s.content for s in samples]).float()), router.config.route_dim)
+    with torch.no_grad():
+        router.page_proj.weight.copy_(w)
+    router.config.page_init = "pca"
+
+
+def pca_directions(x: torch.Tensor, r: int) -> torch.Tensor:
+    """(r, hidden): the top principal directions of the rows of x, scaled so projections have O(1) entries
+    (random directions fill up when x has fewer than r)."""
     x = x - x.mean(0, keepdim=True)
-    r = router.config.route_dim
-    _, sv, vh = torch.linalg.svd(x, full_matrices=False)
+    _, _, vh = torch.linalg.svd(x, full_matrices=False)
     k = min(r, vh.shape[0])
     w = torch.zeros(r, x.shape[1])
     w[:k] = vh[:k] * math.sqrt(r) / math.sqrt(k)  # orthonormal rows, scaled so embeddings have O(1) entries
     if k < r:
         w[k:] = torch.randn(r - k, x.shape[1]) / math.sqrt(x.shape[1])
-    with torch.no_grad():
-        router.page_proj.weight.copy_(w)
-    router.config.page_init = "pca"
+    return w
 
 
 def clip_page_init(router: HybridRouter, samples: list[RouterSample], encoder: Any, name: str) -> None:
@@ -525,3 +530,435 @@ class OpenClipPageEncoder:
     def encode_texts(self, texts: list[str]) -> torch.Tensor:
         tok = self.tokenizer(texts).to(self.device)
         return F.normalize(self.model.encode_text(tok).float(), dim=-1).cpu()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# router v2: the base scorer's scores are captured with the teacher
+
+
+@dataclass
+class Router2Sample:
+    """One prompt's data for router v2. P pages (the same for every KV head: nothing is evicted), S routed
+    queries, L layers."""
+
+    content: torch.Tensor  # (P, hidden): the mean over the page's tokens of LN(input embedding)
+    kind: torch.Tensor  # (P,) int8
+    candidate: torch.Tensor  # (P,) bool
+    last_hidden: torch.Tensor  # (S, hidden): the final hidden state before each routed query
+    mass: torch.Tensor  # (S, L, Hkv, P): full attention's page mass (group mean), the teacher
+    base: torch.Tensor  # (S, L, Hkv, P): the base scorer's page scores for the query (floored)
+    base_prev: torch.Tensor  # (S, L, Hkv, P): the same from the previous position's query (predict-ahead)
+
+
+class _QKVCapture:
+    """An attention function that records every layer's queries and keys, then runs SDPA."""
+
+    NAME = "mm_oval_router2_capture"
+
+    def __init__(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, Any]] = {}
+
+        def fn(module, query, key, value, attention_mask, scaling=None, **kw):
+            s = scaling if scaling is not None else query.shape[-1] ** -0.5
+            self.layers[int(module.layer_idx)] = (query.detach(), key.detach(), value.detach(), s, module)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+
+        AttentionInterface.register(self.NAME, fn)
+        AttentionMaskInterface.register(self.NAME, sdpa_mask)
+
+
+@torch.no_grad()
+def capture_router2_data(
+    model: Any,
+    processor: Any,
+    prompts: list[Prompt],
+    base: Any,
+    *,
+    max_new_tokens: int = 4,
+    prompt_queries: int = 4,
+    image_tile: int = 2,
+    text_page_size: int = 16,
+    sink_tokens: int = 4,
+    recent_tokens: int = 16,
+) -> list[Router2Sample]:
+    """The model answers each prompt greedily; one teacher-forced forward over prompt + answer records every
+    layer's queries and keys. Per routed query (the last prompt positions and every answer position), layer
+    and KV head: the teacher's page mass (exact softmax over the prefix, group mean) and the base scorer's
+    score of each page (`base`, a RetrievalPolicy: its own summarize / score_pages over the cache's page
+    layout), from this query and from the previous position's."""
+    from ..core import DecodeContext, PageBatch, RequestState
+    from ..policies.router2 import BASE_FLOOR
+
+    lm = _lm(model)
+    text = model.config.text_config
+    hq, hkv = text.num_attention_heads, text.num_key_value_heads
+    group = hq // hkv
+    cap = _QKVCapture()
+    box: dict[str, Any] = {}
+    hooks = [
+        lm.norm.register_forward_hook(lambda m, a, o: box.__setitem__("hidden", o.detach())),
+        lm.register_forward_pre_hook(
+            lambda m, a, kw: box.__setitem__("embeds", kw["inputs_embeds"].detach()), with_kwargs=True
+        ),
+    ]
+    previous = model.config._attn_implementation
+    out: list[Router2Sample] = []
+    try:
+        for prompt in prompts:
+            msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
+            chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
+            inputs = processor(images=[prompt.image], text=[chat], return_tensors="pt").to(model.device)
+            ids = inputs["input_ids"]
+            n = ids.shape[1]
+            model.set_attn_implementation("sdpa")
+            seq = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            geo = image_geometry(model, ids, None, **{k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS})
+            lm.set_attn_implementation(_QKVCapture.NAME)
+            extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+            model(input_ids=seq, attention_mask=torch.ones_like(seq), **extra)
+            info = request_info(ids, None, None, 0, sink_tokens, recent_tokens, geometry=geo)
+            keep = (info.modality != PAD).unsqueeze(1).expand(1, hkv, n)
+            lay = layout_pages(
+                keep, info.modality, info.positions, info.image_rc, info.protected, image_tile, text_page_size
+            )
+            p = int((lay.page_len[0, 0] > 0).sum())
+            page_len, kind = lay.page_len[..., :p], lay.page_kind[..., :p]
+            cand = (kind == IMAGE) & ~lay.page_pinned[..., :p]
+            t = int(page_len.max())
+            offs = torch.arange(t, device=ids.device)
+            slot = (lay.page_start[..., :p, None] + offs).clamp(max=lay.src.shape[-1] - 1)
+            tok_idx = torch.where(
+                offs < page_len[..., None], lay.src.gather(-1, slot.flatten(2)).view(1, hkv, p, t), -1
+            )
+            tok_page = torch.full((n,), -1, dtype=torch.long, device=ids.device)
+            ok = lay.src[0, 0] >= 0
+            tok_page[lay.src[0, 0][ok]] = lay.slot_page[0, 0][ok]
+            embeds = box["embeds"]
+            normed = F.layer_norm(embeds.float(), embeds.shape[-1:])
+            content = pool_page_content(normed, tok_idx[:, :1])[0][0, 0]  # (P, hidden)
+            last_img = int((info.modality[0] == IMAGE).nonzero().max())
+            total = seq.shape[1]
+            rows = list(range(max(n - prompt_queries, last_img + 2), total))
+            if not rows:
+                continue
+            mass = torch.zeros(len(rows), len(cap.layers), hkv, p)
+            base_now = torch.zeros_like(mass)
+            base_prev = torch.zeros_like(mass)
+            mask = tok_idx >= 0
+            for layer, (q, k, v, scale, module) in sorted(cap.layers.items()):
+                d = k.shape[-1]
+                gather = tok_idx.clamp(min=0).flatten(2).unsqueeze(-1).expand(-1, -1, -1, d)
+                gk = k[:, :, :n].gather(2, gather).view(1, hkv, p, t, d) * mask.unsqueeze(-1)
+                gv = v[:, :, :n].gather(2, gather).view(1, hkv, p, t, d) * mask.unsqueeze(-1)
+                batch = PageBatch(
+                    layer, gk, gv, mask, kind, 0, module, token_index=tok_idx,
+                    request=RequestState(inputs_embeds=embeds),
+                )  # fmt: skip
+                summaries = base.summarize(batch)
+                kk = k[0].repeat_interleave(group, dim=0).float()  # (Hq, total, D)
+                for r, i in enumerate(rows):
+                    att = torch.softmax(torch.einsum("hd,htd->ht", q[0, :, i].float(), kk[:, : i + 1]) * scale, -1)
+                    att = F.pad(att[:, :n], (0, max(0, n - i - 1))) * (tok_page >= 0)
+                    pm = torch.zeros(hq, p, device=att.device).index_add_(1, tok_page.clamp(min=0), att)
+                    mass[r, layer] = pm.view(hkv, group, p).mean(1).cpu()
+                    for target, row in ((base_now, i), (base_prev, i - 1)):
+                        ctx = DecodeContext(
+                            layer, q[:, :, row : row + 1], summaries, lay.page_start[..., :p], page_len, kind,
+                            cand, scale, module,
+                        )  # fmt: skip
+                        target[r, layer] = base.score_pages(ctx)[0].float().clamp(min=BASE_FLOOR).cpu()
+            out.append(
+                Router2Sample(
+                    content=content.cpu(),
+                    kind=kind[0, 0].cpu(),
+                    candidate=cand[0, 0].cpu(),
+                    last_hidden=box["hidden"][0, [i - 1 for i in rows]].float().cpu(),
+                    mass=mass,
+                    base=base_now,
+                    base_prev=base_prev,
+                )
+            )
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_attn_implementation(previous)
+    if not out:
+        raise DataError("no routed query was captured: the prompts produced no decode step")
+    return out
+
+
+_R2_FIELDS = ("content", "kind", "candidate", "last_hidden", "mass", "base", "base_prev")
+
+
+def save_router2_capture(samples: list[Router2Sample], path: str | Path) -> None:
+    """The captured samples as one safetensors file (each field concatenated, with per-sample lengths)."""
+    from safetensors.torch import save
+
+    from ..files import atomic_write_bytes
+
+    tensors = {f: torch.cat([getattr(s, f).flatten() for s in samples]).contiguous() for f in _R2_FIELDS}
+    tensors["pages"] = torch.tensor([s.content.shape[0] for s in samples])
+    tensors["rows"] = torch.tensor([s.last_hidden.shape[0] for s in samples])
+    tensors["dims"] = torch.tensor([*samples[0].mass.shape[1:3], samples[0].content.shape[1]])  # L, Hkv, hidden
+    atomic_write_bytes(Path(path), save(tensors))
+
+
+def load_router2_capture(path: str | Path) -> list[Router2Sample]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+        pages, rows = t["pages"].tolist(), t["rows"].tolist()
+        layers, heads, hidden = t["dims"].tolist()
+        shapes = {
+            "content": lambda p, r: (p, hidden),
+            "kind": lambda p, r: (p,),
+            "candidate": lambda p, r: (p,),
+            "last_hidden": lambda p, r: (r, hidden),
+            **{f: (lambda p, r: (r, layers, heads, p)) for f in ("mass", "base", "base_prev")},
+        }
+        offsets = dict.fromkeys(_R2_FIELDS, 0)
+        out = []
+        for p, r in zip(pages, rows):
+            parts = {}
+            for f in _R2_FIELDS:
+                shape = shapes[f](p, r)
+                size = math.prod(shape)
+                parts[f] = t[f][offsets[f] : offsets[f] + size].view(shape)
+                offsets[f] += size
+            out.append(Router2Sample(**parts))
+    except (SafetensorError, OSError, KeyError, RuntimeError) as e:
+        raise DataError(f"{path}: not a router v2 capture ({e}); delete it to capture again") from e
+    return out
+
+
+@dataclass
+class Router2Batch:
+    content: torch.Tensor  # (R, P, hidden)
+    kind: torch.Tensor  # (R, P)
+    valid: torch.Tensor  # (R, P)
+    candidate: torch.Tensor  # (R, P)
+    last_hidden: torch.Tensor  # (R, hidden)
+    mass: torch.Tensor  # (R, L, Hkv, P)
+    base: torch.Tensor  # (R, L, Hkv, P)
+    base_prev: torch.Tensor  # (R, L, Hkv, P)
+    history: torch.Tensor  # (R, L, Hkv, W, P) bool: the base scorer's picks at the sample's previous rows
+
+
+def collate2(samples: list[Router2Sample], window: int = 0, history_budget: float = 0.25) -> Router2Batch:
+    from ..policies.router2 import BASE_FLOOR
+
+    p = max(s.content.shape[0] for s in samples)
+    parts = []
+    for s in samples:
+        n, pad = s.last_hidden.shape[0], p - s.content.shape[0]
+        base = F.pad(s.base, (0, pad), value=BASE_FLOOR)
+        cand = F.pad(s.candidate, (0, pad))
+        hist = torch.zeros(n, *s.base.shape[1:3], window, p, dtype=torch.bool)
+        if window:
+            k = max(1, math.ceil(int(cand.sum()) * history_budget - 1e-9))
+            picks = base.masked_fill(~cand, float("-inf")).topk(k, -1).indices  # (S, L, H, k)
+            read = torch.zeros_like(base, dtype=torch.bool).scatter_(-1, picks, True) & cand
+            for r in range(n):
+                prev = read[max(0, r - window) : r].permute(1, 2, 0, 3)  # (L, H, w, P)
+                hist[r, :, :, window - prev.shape[2] :] = prev
+        parts.append(
+            (
+                F.pad(s.content, (0, 0, 0, pad)).expand(n, p, -1),
+                F.pad(s.kind, (0, pad), value=PAD).expand(n, p),
+                F.pad(torch.ones_like(s.candidate), (0, pad)).expand(n, p),
+                cand.expand(n, p),
+                s.last_hidden,
+                F.pad(s.mass, (0, pad)),
+                base,
+                F.pad(s.base_prev, (0, pad), value=BASE_FLOOR),
+                hist,
+            )
+        )
+    return Router2Batch(*(torch.cat(x) for x in zip(*parts)))
+
+
+def router2_logits(net: Any, b: Router2Batch, layer: int, base: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, Hkv, P) = base + correction for one layer (`base`: other base scores, e.g. the previous query's)."""
+    hkv = b.mass.shape[2]
+    r, p = b.kind.shape
+    emb = net.page_embeddings(b.content, b.kind).unsqueeze(1).expand(r, hkv, p, -1)
+    base = b.base[:, layer] if base is None else base
+    corr = net.correction(
+        net.text_state(b.last_hidden),
+        emb,
+        b.kind.unsqueeze(1).expand(r, hkv, p),
+        b.valid.unsqueeze(1).expand(r, hkv, p),
+        base,
+        layer,
+        b.history[:, layer] if net.config.gcn else None,
+    )
+    return base + corr
+
+
+def gumbel_topk_loss(
+    logits: torch.Tensor, target: torch.Tensor, candidate: torch.Tensor, k: torch.Tensor, tau: float = 0.5
+) -> torch.Tensor:
+    """1 - the teacher mass held by a relaxed top-k of Gumbel-perturbed logits (k successive softmaxes, each
+    discounting what the earlier ones took), averaged over rows with teacher mass. k (...) long."""
+    t = target * candidate
+    total = t.sum(-1, keepdim=True)
+    rows = total.squeeze(-1) > 0
+    t = t / total.clamp_min(1e-12)
+    g = -torch.log(-torch.log(torch.rand_like(logits).clamp(1e-9, 1 - 1e-9)))
+    s = (logits + g).masked_fill(~candidate, float("-inf"))
+    khot = torch.zeros_like(s)
+    onehot = torch.zeros_like(s)
+    for i in range(int(k.max())):
+        s = s + torch.log((1 - onehot).clamp_min(1e-20))
+        onehot = torch.softmax(s / tau, -1)
+        khot = khot + onehot * (i < k).unsqueeze(-1)
+    per = 1 - (khot.clamp(max=1) * t).sum(-1)
+    return per[rows].mean() if bool(rows.any()) else logits.new_zeros(())
+
+
+@dataclass
+class Train2Options:
+    epochs: int = 6
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    gamma: float = 2.0
+    batch: int = 8
+    objective: str = "focal"  # or "gumbel": the relaxed top-k of Gumbel-perturbed logits
+    gumbel_budget: float = 0.25
+    seed: int = 0
+    read_budgets: tuple[float, ...] = (0.10, 0.25)  # held-out capture is reported at these
+
+
+def train_router2(
+    net: Any,
+    train: list[Router2Sample],
+    val: list[Router2Sample] | None = None,
+    options: Train2Options | None = None,
+    progress: Any = None,
+    start_epoch: int = 0,
+    checkpoint: Any = None,
+) -> list[dict[str, float]]:
+    """Distil full attention's page mass into base + correction; one dict per epoch (loss, held-out capture).
+    `checkpoint(epoch, history)` is called after each epoch (to save and resume from `start_epoch`)."""
+    o = options or Train2Options()
+    if o.objective not in ("focal", "gumbel"):
+        raise ConfigError(f"router2 training: objective must be 'focal' or 'gumbel', got {o.objective!r}")
+    if not train:
+        raise DataError("no training sample for the router")
+    torch.manual_seed(o.seed + start_epoch)
+    rng = random.Random(o.seed + start_epoch)
+    window = net.config.gcn_window if net.config.gcn else 0
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+    steps = (o.epochs - start_epoch) * math.ceil(len(train) / o.batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=o.lr, total_steps=max(steps, 1), pct_start=0.1)
+    history: list[dict[str, float]] = []
+    num_layers = train[0].mass.shape[1]
+    for epoch in range(start_epoch, o.epochs):
+        net.train()
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        total, count = 0.0, 0
+        for start in range(0, len(order), o.batch):
+            b = collate2([train[i] for i in order[start : start + o.batch]], window)
+            cand = b.candidate.unsqueeze(1).expand(-1, b.mass.shape[2], -1)
+            k = torch.ceil(cand.sum(-1).double() * o.gumbel_budget - 1e-9).long().clamp(min=1)
+            loss = 0.0
+            for layer in range(num_layers):
+                logits = router2_logits(net, b, layer)
+                if o.objective == "focal":
+                    loss = loss + focal_loss(logits, b.mass[:, layer], cand, o.gamma)
+                else:
+                    loss = loss + gumbel_topk_loss(logits, b.mass[:, layer], cand, k)
+            loss = loss / num_layers
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            total += float(loss.detach())
+            count += 1
+        row: dict[str, float] = {"epoch": epoch + 1, "loss": total / max(count, 1)}
+        if val:
+            for rb in o.read_budgets:
+                row |= {f"val{int(rb * 100)}_{k}": v for k, v in evaluate_router2(net, val, rb).items()}
+        net.eval()
+        history.append(row)
+        log.info("router2 epoch %d: %s", epoch + 1, ", ".join(f"{k}={v:.4f}" for k, v in row.items()))
+        if progress is not None:
+            progress(row)
+        if checkpoint is not None:
+            checkpoint(epoch + 1, history)
+    net.eval()
+    return history
+
+
+@torch.no_grad()
+def evaluate_router2(net: Any, samples: list[Router2Sample], read_budget: float = 0.25) -> dict[str, float]:
+    """Share of the candidate pages' attention mass held by the top ceil(read_budget * candidates) pages, per
+    routed query, layer and KV head (those with mass on the candidates), averaged: `base` (the base scorer
+    alone), `router2` (base + correction), `oracle`; `*_ahead`: the same from the previous position's query
+    (predict-ahead), and `hit_*`: the share of the exact pick the predict-ahead pick holds."""
+    net.eval()
+    window = net.config.gcn_window if net.config.gcn else 0
+    keys = ("base", "router2", "oracle", "base_ahead", "router2_ahead", "hit_base", "hit_router2")
+    sums = dict.fromkeys(keys, 0.0)
+    rows = 0
+    for start in range(0, len(samples), 32):
+        b = collate2(samples[start : start + 32], window)
+        n_cand = b.candidate.sum(-1)
+        k = torch.ceil(n_cand.double() * read_budget - 1e-9).long().clamp(min=1).view(-1, 1, 1)
+        cand = b.candidate.unsqueeze(1)
+        for layer in range(b.mass.shape[1]):
+            m = b.mass[:, layer] * cand
+            tot = m.sum(-1)
+            looks = (n_cand > 0).unsqueeze(1) & (tot > MIN_CAPTURE_MASS)
+
+            def pick(scores: torch.Tensor, cand: torch.Tensor = cand, k: torch.Tensor = k) -> torch.Tensor:
+                rank = scores.masked_fill(~cand, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+                return rank.argsort(-1) < k
+
+            picks = {
+                "base": pick(b.base[:, layer]),
+                "router2": pick(router2_logits(net, b, layer)),
+                "oracle": pick(m),
+                "base_ahead": pick(b.base_prev[:, layer]),
+                "router2_ahead": pick(router2_logits(net, b, layer, b.base_prev[:, layer])),
+            }
+            for name, sel in picks.items():
+                sums[name] += float(((m * sel).sum(-1) / tot.clamp_min(1e-12))[looks].sum())
+            for name in ("base", "router2"):
+                hit = (picks[name] & picks[name + "_ahead"]).sum(-1) / picks[name].sum(-1).clamp(min=1)
+                sums["hit_" + name] += float(hit[looks].sum())
+            rows += int(looks.sum())
+    return {name: v / max(rows, 1) for name, v in sums.items()} | {"rows": rows}
+
+
+def new_router2(model: Any, base: str = "quest", **sizes: Any) -> Any:
+    """A fresh (zero-correction) router v2 shaped for `model`, its config naming the model."""
+    from ..policies.router2 import Router2Config, Router2Net
+
+    text = model.config.text_config
+    cfg = Router2Config(
+        hidden_size=int(text.hidden_size),
+        num_layers=int(text.num_hidden_layers),
+        num_kv_heads=int(text.num_key_value_heads),
+        base=base,
+        model=model_signature(model),
+        **sizes,
+    )
+    return Router2Net(cfg)
+
+
+def pca_page_init2(net: Any, samples: list[Router2Sample]) -> None:
+    """W_page of a router v2 from the principal directions of its page contents (as `pca_page_init`)."""
+    w = pca_directions(torch.cat([s.content for s in samples]).float(), net.config.route_dim)
+    with torch.no_grad():
+        net.page_proj.weight.copy_(w)
+    net.config.page_init = "pca"

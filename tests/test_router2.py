@@ -1,0 +1,222 @@
+"""Router v2: an untrained one selects exactly what its base scorer selects, its weights load only for their
+model, training on captured full attention lowers the loss, its summary bytes count its own page record, and predict-ahead hits every page when the query stays."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mm_oval
+from mm_oval.errors import ConfigError, ModelError
+from mm_oval.policies.base import (
+    IMAGE,
+    TEXT,
+    DecodeContext,
+    PageBatch,
+    RequestState,
+    StepState,
+    make_retrieval,
+)
+from mm_oval.policies.router import pool_page_content
+from mm_oval.policies.router2 import (
+    Router2Config,
+    Router2Net,
+    Router2Retrieval,
+    load_router2,
+    pool_token_embeddings,
+    predict_ahead_hit_rate,
+    save_router2,
+)
+from mm_oval.stats import get_stats
+from mm_oval.training.router import (
+    Train2Options,
+    capture_router2_data,
+    evaluate_router2,
+    load_router2_capture,
+    new_router2,
+    pca_page_init2,
+    save_router2_capture,
+    train_router2,
+    zoo_prompts,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _inputs(processor, prompt):
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
+    chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
+    return processor(images=[prompt.image], text=[chat], return_tensors="pt")
+
+
+def _run(model, inputs, name, options, new_tokens=5, **budget):
+    """Generate with retrieval `name`; (model, output ids, the chosen pages of every select call, bytes read
+    per step, the policy)."""
+    wrapped = mm_oval.wrap(model, retrieval=name, retrieval_options=options, **budget)
+    policy = wrapped._mm_oval.retrieval
+    seen = []
+    inner = policy.select
+
+    def select(ctx, b):
+        out = inner(ctx, b)
+        seen.append(out.clone())
+        return out
+
+    policy.select = select
+    try:
+        out = wrapped.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        read = get_stats(wrapped)["bytes_read"]["per_step"]
+    finally:
+        model = mm_oval.unwrap(wrapped)
+    return model, out, seen, read, policy
+
+
+def _randomise_correction(net: Router2Net, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("base", ["quest", "oval"])
+@pytest.mark.parametrize("budget", [{"read_budget": 0.25}, {"read_bytes_budget": 0.5}])
+def test_an_untrained_router2_selects_exactly_what_its_base_scorer_selects(tiny_random_llava, base, budget):
+    model, processor = tiny_random_llava
+    net = new_router2(model, base=base, gcn=True)  # every part on: each starts at exactly zero
+    prompts = zoo_prompts(2, seed=3)
+    for prompt in prompts:
+        inputs = _inputs(processor, prompt)
+        model, out_b, seen_b, _, _ = _run(model, inputs, base, {}, **budget)
+        model, out_r, seen_r, _, _ = _run(model, inputs, "router2", {"net": net}, **budget)
+        assert torch.equal(out_b, out_r)
+        assert len(seen_b) == len(seen_r) > 0
+        assert all(torch.equal(a, b) for a, b in zip(seen_b, seen_r))
+        assert any(bool((~a).any()) for a in seen_b)  # the budget left pages out: the choice was real
+    # a router whose correction is not zero chooses otherwise somewhere (the test above can fail)
+    _randomise_correction(net)
+    inputs = _inputs(processor, prompts[0])
+    model, _, seen_b, _, _ = _run(model, inputs, base, {}, 3, read_budget=0.25)
+    model, _, seen_r, _, _ = _run(model, inputs, "router2", {"net": net}, 3, read_budget=0.25)
+    assert len(seen_b) == len(seen_r) > 0
+    assert any(not torch.equal(a, b) for a, b in zip(seen_b, seen_r))
+
+
+def test_save_load_round_trip_and_weights_for_another_model_are_refused(tiny_random_llava, tmp_path):
+    from mm_oval.zoo.model import build_tiny_llava
+
+    model, _ = tiny_random_llava
+    net = new_router2(model, base="oval", route_dim=8, locality=False)
+    _randomise_correction(net, 1)
+    d = save_router2(net, tmp_path / "r2")
+    back = load_router2(d, model)
+    assert back.config == net.config
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), back.state_dict().values()))
+    policy = make_retrieval("router2", weights=str(d))
+    assert policy.base_name == "oval" and policy.net.config.route_dim == 8
+    with pytest.raises(ConfigError, match="trained on base='oval'"):
+        make_retrieval("router2", weights=str(d), base="quest")
+    other, _ = build_tiny_llava(seed=1)  # same shapes, other weights
+    with pytest.raises(ModelError, match="another model"):
+        load_router2(d, other)
+    with pytest.raises(ModelError, match="another model"):
+        mm_oval.wrap(other, retrieval="router2", retrieval_options={"weights": str(d)}, read_budget=0.25)
+
+
+def test_pages_pooled_at_decode_match_the_contents_training_captures():
+    torch.manual_seed(0)
+    net = Router2Net(Router2Config(hidden_size=24, num_layers=2, num_kv_heads=2, route_dim=8))
+    _randomise_correction(net)
+    x = torch.randn(1, 30, 24)
+    idx = torch.randint(-1, 30, (1, 2, 7, 4))
+    at_decode = pool_token_embeddings(net.token_embeddings(x), idx)  # (.., R): gathers route_dim entries only
+    content, has = pool_page_content(F.layer_norm(x, (24,)), idx)  # what the capture records per page
+    kind = torch.full((1, 2, 7), TEXT, dtype=torch.int8)
+    in_training = net.page_embeddings(content, kind) - net.kind_emb(torch.zeros_like(kind).long())
+    assert torch.allclose(at_decode[has], in_training[has], atol=1e-5)
+
+
+def test_training_on_captured_attention_lowers_the_loss(tiny_random_llava, tmp_path):
+    model, processor = tiny_random_llava
+    base = make_retrieval("quest")
+    samples = capture_router2_data(model, processor, zoo_prompts(6, seed=11), base, max_new_tokens=3)
+    s = samples[0]
+    assert s.mass.shape == s.base.shape == s.base_prev.shape
+    assert s.mass.shape[1:3] == (model.config.text_config.num_hidden_layers, 2)
+    assert torch.allclose(s.mass.sum(-1) <= 1 + 1e-5, torch.tensor(True))
+    save_router2_capture(samples, tmp_path / "cap.safetensors")
+    again = load_router2_capture(tmp_path / "cap.safetensors")
+    assert all(torch.equal(a.base, b.base) and torch.equal(a.content, b.content) for a, b in zip(samples, again))
+    net = new_router2(model)
+    pca_page_init2(net, samples)
+    before = evaluate_router2(net, samples, 0.25)
+    assert before["router2"] == pytest.approx(before["base"])  # zero correction: the base's pick
+    history = train_router2(net, samples, None, Train2Options(epochs=8, lr=1e-2, batch=2))
+    assert history[-1]["loss"] < history[0]["loss"]
+    after = evaluate_router2(net, samples, 0.25)
+    assert after["base"] == before["base"] and after["router2"] != before["router2"]  # the correction moved
+
+
+def test_summary_bytes_count_the_router_record(tiny_random_llava):
+    model, processor = tiny_random_llava
+    net = new_router2(model, route_dim=16)
+    inputs = _inputs(processor, zoo_prompts(1, seed=5)[0])
+    model, _, _, quest, _ = _run(model, inputs, "quest", {}, 3, read_budget=0.25)
+    model, _, _, router2, policy = _run(model, inputs, "router2", {"net": net}, 3, read_budget=0.25)
+    assert router2["selected"] == quest["selected"]  # the same pages (zero correction)
+    kmin = torch.zeros(1, 2, 3, 32)
+    page_len = torch.full((1, 2, 3), 4)
+    sums = {"kmin": kmin, "kmax": kmin, "r2_emb": torch.zeros(1, 2, 3, 16)}
+    quest_bytes = make_retrieval("quest").summary_bytes({"kmin": kmin, "kmax": kmin}, page_len)
+    assert torch.equal(policy.summary_bytes(sums, page_len), quest_bytes + 16 * 4)
+    # per step, the router reads 16 fp32 entries more per candidate page, layer and KV head
+    text = model.config.text_config
+    per_page_quest = 2 * text.head_dim * 4
+    pages = quest["summaries"] / per_page_quest
+    assert router2["summaries"] == pytest.approx(quest["summaries"] + pages * 64)
+
+
+def _ctx(query, summaries, p=6):
+    page_len = torch.full((1, 2, p), 4)
+    kind = torch.full((1, 2, p), IMAGE, dtype=torch.int8)
+    return DecodeContext(
+        layer_idx=0,
+        query=query,
+        summaries=summaries,
+        page_start=torch.arange(p).mul(4).expand(1, 2, p),
+        page_len=page_len,
+        page_kind=kind,
+        candidates=torch.ones(1, 2, p, dtype=torch.bool),
+        scaling=0.25,
+        step=StepState(last_hidden=torch.randn(1, 24)),
+    )
+
+
+def test_predict_ahead_hits_every_page_when_the_query_stays_and_uses_the_previous_query():
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 6, 4, 16)
+    token_index = torch.arange(24).view(1, 1, 6, 4).expand(1, 2, 6, 4)
+    batch = PageBatch(
+        0, keys, keys, torch.ones(1, 2, 6, 4, dtype=torch.bool), torch.full((1, 2, 6), IMAGE, dtype=torch.int8), 0,
+        token_index=token_index, request=RequestState(inputs_embeds=torch.randn(1, 24, 24)),
+    )  # fmt: skip
+    net = Router2Net(Router2Config(hidden_size=24, num_layers=1, num_kv_heads=2, route_dim=8))
+    for policy in (make_retrieval("quest"), Router2Retrieval(weights="none"), Router2Retrieval(net=net)):
+        sums = policy.summarize(batch)
+        if "r2_emb" in sums:
+            sums["r2_emb"] = torch.randn(1, 2, 6, 8)
+        q = torch.randn(1, 4, 1, 16)
+        ctx = _ctx(q, sums)
+        assert torch.equal(predict_ahead_hit_rate(policy, ctx, q, 0.34), torch.ones(1, 2, dtype=torch.double))
+        rates = [predict_ahead_hit_rate(policy, ctx, torch.randn(1, 4, 1, 16), 0.34) for _ in range(8)]
+        assert min(float(r.min()) for r in rates) < 1.0  # another query moves the pick somewhere
+    ahead = Router2Retrieval(weights="none", predict_ahead="step")
+    exact = Router2Retrieval(weights="none")
+    sums = ahead.summarize(batch)
+    q1, q2 = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 1, 16)
+    first = _ctx(q1, sums)
+    assert torch.equal(ahead.score_pages(first), exact.score_pages(first))  # no previous step: its own query
+    second = dataclasses.replace(first, query=q2)  # the same request (StepState), the next step
+    assert torch.equal(ahead.score_pages(second), exact.score_pages(first))
+    other_request = dataclasses.replace(first, query=q2, step=StepState())
+    assert torch.equal(ahead.score_pages(other_request), exact.score_pages(other_request))
