@@ -58,6 +58,7 @@ from mm_oval.policies.base import (
     StepState,
     make_retrieval,
 )
+from mm_oval.policies.router2 import predict_ahead_hit_rate
 from mm_oval.stats import get_stats
 from mm_oval.training.router import zoo_prompts
 
@@ -69,6 +70,10 @@ MIN_IMAGE_MASS = 1e-4  # a query head with less attention than this on the candi
 def load(model_dir: str | None):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+    if model_dir == "bundled576":
+        from mm_oval.zoo import bundled576_model_path
+
+        model_dir = str(bundled576_model_path())
     if model_dir is None:
         try:
             from mm_oval.zoo import bundled_model_path
@@ -103,7 +108,15 @@ class Capture:
         AttentionMaskInterface.register(self.NAME, sdpa_mask)
 
 
-def methods_for(router_dir: str | None, has_router: bool, ranks: list[int]) -> dict[str, tuple[str, dict]]:
+def methods_for(
+    router_dir: str | None,
+    has_router: bool,
+    ranks: list[int],
+    router2: dict[str, str] | None = None,
+    keep: list[str] | None = None,
+) -> dict[str, tuple[str, dict]]:
+    """The methods compared: quest, locks/oval at each rank, the router when it fits the model, each router v2
+    in `router2` (row name -> weights); `keep`: only the rows named there."""
     m: dict[str, tuple[str, dict]] = {"quest": ("quest", {})}
     for r in ranks:
         m[f"locks r={r}"] = ("locks", {"rank": r})
@@ -111,7 +124,30 @@ def methods_for(router_dir: str | None, has_router: bool, ranks: list[int]) -> d
             m[f"oval r={r} eta={eta:g}"] = ("oval", {"rank": r, "eta": eta})
     if has_router:
         m["router"] = ("router", {"weights": router_dir} if router_dir else {})
+    for name, weights in (router2 or {}).items():
+        m[name] = ("router2", {"weights": weights})
+    if keep:
+        m = {k: v for k, v in m.items() if k in keep}
     return m
+
+
+def router2_rows(specs: list[str] | None, model) -> dict[str, str]:
+    """`--router2 NAME=DIR` (or DIR, named router2) rows; without any, the bundled router v2 when it was
+    trained for this model."""
+    from mm_oval.policies.router2 import bundled_router2_path, load_router2
+
+    if specs is None:
+        try:
+            load_router2(bundled_router2_path(), model)
+        except mm_oval.MmOvalError as e:
+            print(f"router2 skipped: {e}")
+            return {}
+        return {"router2": "bundled576"}
+    rows = {}
+    for spec in specs:
+        name, _, weights = spec.rpartition("=")
+        rows[name or "router2"] = weights
+    return rows
 
 
 @torch.no_grad()
@@ -131,6 +167,8 @@ def quality(
     read_at_bytes: dict[tuple[str, float], float] = {}
     dense_sum = 0.0
     count = 0
+    ahead: dict[tuple[str, float], float] = {}  # predict-ahead hit rate sums and counts, per (method, budget)
+    ahead_n: dict[tuple[str, float], int] = {}
     # (row, query head) pairs each metric averages over: the denominators
     heads = {"image_mass": 0, "top16_mass": 0, "focused_mass": 0}
     cap = Capture()
@@ -264,6 +302,12 @@ def quality(
                     for name, pol in policies.items():
                         ctx.summaries = summaries[name]
                         picks[name] = {b: pol.select(ctx, b)[0] for b in BUDGETS}  # (Hkv, P) bool
+                        if i > rows[0] and name != "router":  # the router routes from the hidden state alone
+                            # predict-ahead: this step's pages chosen from the previous position's query
+                            for b in BUDGETS:
+                                hit = predict_ahead_hit_rate(pol, ctx, q[:, :, i - 1 : i], b)[0]  # (Hkv,)
+                                ahead[(name, b)] = ahead.get((name, b), 0.0) + float(hit.sum())
+                                ahead_n[(name, b)] = ahead_n.get((name, b), 0) + hit.numel()
                         picks_b[name] = {
                             f: pol.select(ctx, pages_at[(name, f)][None])[0] for f in BYTES_BUDGETS
                         }
@@ -335,6 +379,7 @@ def quality(
     }
     ratio = lambda d: {f"{name}|{b}": v / max(dense_sum, 1.0) for (name, b), v in d.items()}  # noqa: E731
     return q, {
+        "predict_ahead_hit": {f"{name}|{b}": v / max(ahead_n[(name, b)], 1) for (name, b), v in ahead.items()},
         "quality_at_bytes": at_bytes,
         "read_vs_dense": ratio(read),
         "read_vs_dense_at_bytes": ratio(read_at_bytes),
@@ -390,6 +435,77 @@ def cost(model, processor, prompts, methods, new_tokens: int, repeats: int) -> d
     }
 
 
+def width_cost(batch: int = 4, images: int = 4, text_tokens: int = 100, repeats: int = 5) -> dict:
+    """Router v2's own work per decode step and layer (the correction: cross-attention, routing vector, page
+    logits, locality) at LLaVA-1.5-7B's layer shape (hidden 4096, 32 KV heads of 128, MLP 11008), `images`
+    576-token images at batch `batch`, timed next to one LlamaDecoderLayer decoding one token over that KV;
+    and the largest tensors router v2 makes, next to one layer's full KV (fp16)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from mm_oval.policies.router2 import Router2Config, Router2Net, pool_token_embeddings
+
+    hidden, heads, head_dim, inter = 4096, 32, 128, 11008
+    n = images * 576 + text_tokens
+    pages = images * 144 + math.ceil(text_tokens / 16)
+    cfg = LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=heads,
+        num_hidden_layers=1, max_position_embeddings=n + 8,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0).eval()
+    rope = LlamaRotaryEmbedding(cfg)
+    net = Router2Net(Router2Config(hidden, 32, heads)).eval()
+    x = torch.randn(batch, 1, hidden)
+    k = torch.randn(batch, heads, n, head_dim)
+    emb = torch.randn(batch, heads, pages, net.config.route_dim)
+    kind = torch.full((batch, heads, pages), IMAGE, dtype=torch.int8)
+    valid = torch.ones(batch, heads, pages, dtype=torch.bool)
+    base = torch.randn(batch, heads, pages)
+    pos = torch.full((batch, 1), n)
+
+    class _Cache:  # the layer's past keys/values, as a Cache's update() hands them to attention
+        def update(self, key, value, layer_idx, *a, **kw):
+            return torch.cat([k, key], 2), torch.cat([k, value], 2)
+
+    def run_layer():
+        layer(x, position_embeddings=rope(x, pos), cache=_Cache(), position_ids=pos, attention_mask=None)
+
+    def run_router():
+        t = net.text_state(x[:, 0])
+        net.correction(t, emb, kind, valid, base, 5)
+
+    times = {}
+    with torch.no_grad():
+        for name, fn in (("decode_layer", run_layer), ("router2", run_router)):
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            times[name] = (time.perf_counter() - t0) / repeats * 1e3
+        # the largest tensor router v2's summarize makes: page embeddings pooled from per-token projections
+        tok = net.token_embeddings(torch.randn(batch, n, hidden))
+        idx = torch.arange(pages * 4).clamp(max=n - 1).view(1, 1, pages, 4).expand(batch, heads, pages, 4)
+        pooled = pool_token_embeddings(tok, idx)
+    gathered = batch * heads * pages * 4 * net.config.route_dim * 4  # the (B, Hkv, P, T, R) fp32 gather
+    kv_layer = 2 * batch * heads * n * head_dim * 2
+    out = {
+        "decode_layer_ms": times["decode_layer"],
+        "router2_ms": times["router2"],
+        "router2_share": times["router2"] / times["decode_layer"],
+        "largest_router2_tensor_bytes": gathered,
+        "router2_record_bytes_fp16": pooled.numel() * 2,
+        "layer_kv_bytes_fp16": kv_layer,
+    }
+    print(
+        f"\nrouter v2 at LLaVA-1.5-7B's layer shape ({images} images x batch {batch}, {n} tokens, {pages} pages, "
+        f"fp32 CPU): decode layer {out['decode_layer_ms']:.1f} ms, router v2 correction {out['router2_ms']:.2f} ms "
+        f"({out['router2_share']:.2%}); largest router v2 tensor {gathered / 2**20:.1f} MiB, its page record "
+        f"{out['router2_record_bytes_fp16'] / 2**20:.1f} MiB per layer, one layer's full KV {kv_layer / 2**20:.0f} MiB"
+    )
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -406,6 +522,16 @@ def main() -> int:
         nargs="+",
         default=[1, 2],
         help="basis ranks of LOCKS/OVAL (a rank >= the page's token count is exact: 2x2 tiles hold 4 tokens)",
+    )
+    ap.add_argument(
+        "--router2",
+        nargs="+",
+        default=None,
+        help="router v2 rows, NAME=DIR or DIR (default: the bundled router v2 when it fits the model)",
+    )
+    ap.add_argument("--methods", nargs="+", default=None, help="only these rows (e.g. quest 'oval r=2 eta=0.5')")
+    ap.add_argument(
+        "--width-cost", action="store_true", help="also time router v2 against a decode layer at LLaVA-1.5-7B's shape"
     )
     ap.add_argument("--cost-prompts", type=int, default=8)
     ap.add_argument("--cost-tokens", type=int, default=16)
@@ -427,8 +553,9 @@ def main() -> int:
     except mm_oval.MmOvalError as e:
         print(f"router skipped: {e}")
         has_router = False
-    methods = methods_for(args.router, has_router, args.ranks)
-    prompts = zoo_prompts(args.prompts, args.seed)
+    methods = methods_for(args.router, has_router, args.ranks, router2_rows(args.router2, model), args.methods)
+    geometry = 576 if getattr(model.config, "image_seq_length", 0) == 576 else 64
+    prompts = zoo_prompts(args.prompts, args.seed, geometry)
     t0 = time.perf_counter()
     q, by_bytes = quality(
         model, processor, prompts, methods, args.new_tokens, args.prompt_queries, args.top_tokens
@@ -472,9 +599,20 @@ def main() -> int:
                 + "".join(f"{at[f'{name}|{f}|{metric}']:>9.3f}" for f in BYTES_BUDGETS)
                 + "".join(f"{rvd_b[f'{name}|{f}']:>9.2f}x" for f in BYTES_BUDGETS)
             )
+    hits = by_bytes["predict_ahead_hit"]
+    print(
+        "\npredict-ahead: share of the pages the exact scores choose that the pages chosen from the previous "
+        "position's query hold"
+    )
+    print(f"{'method':<22}" + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS))
+    for name in methods:
+        if f"{name}|{BUDGETS[0]}" in hits:
+            print(f"{name:<22}" + "".join(f"{hits[f'{name}|{b}']:>9.3f}" for b in BUDGETS))
     r = max(args.ranks)  # scoring cost does not depend on eta
     timed = {
-        k: v for k, v in methods.items() if k in ("quest", "router", f"locks r={r}", f"oval r={r} eta=0.5")
+        k: v
+        for k, v in methods.items()
+        if k in ("quest", "router", f"locks r={r}", f"oval r={r} eta=0.5") or v[0] == "router2"
     }
     c = cost(model, processor, prompts[: args.cost_prompts], timed, args.cost_tokens, args.repeats)
     base = c["none"]["decode_ms_per_step"]
@@ -485,8 +623,12 @@ def main() -> int:
     for name, r in c.items():
         d, s = r["decode_ms_per_step"], r["select_ms_per_step"]
         print(f"{name:<22}{d:>16.2f}{d / base:>9.2f}{s:>16.3f}{s / d:>14.1%}")
+    width = width_cost() if args.width_cost else None
     if args.out:
-        atomic_write_json(args.out, {"model": where, "args": vars(args), "quality": q, "cost": c, **by_bytes})
+        atomic_write_json(
+            args.out,
+            {"model": where, "args": vars(args), "quality": q, "cost": c, "width_cost": width, **by_bytes},
+        )
     return 0
 
 

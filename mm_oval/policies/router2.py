@@ -164,11 +164,15 @@ class Router2Net(nn.Module):
         b, hkv, p, r = page_emb.shape
         out = page_emb.new_zeros(b, hkv, p)
         if c.content:
-            q = self.xq(text_state)  # (B, R)
-            att = torch.einsum("br,bhpr->bhp", q, self.xk(page_emb)) / math.sqrt(r)
+            # cross-attention of the text state over the image pages; xk and xv are folded into the query
+            # and the pooled page, so a step touches each page embedding only twice (the key bias adds the
+            # same to every page and drops out of the softmax)
+            q = self.xq(text_state) @ self.xk.weight  # (B, R)
+            att = torch.einsum("br,bhpr->bhp", q, page_emb) / math.sqrt(r)
             att = att.masked_fill(~(page_valid & (page_kind == IMAGE)), float("-inf"))
             w = torch.softmax(att, -1).nan_to_num(0.0)  # no image page: no fused term
-            fused = self.xo(torch.einsum("bhp,bhpr->bhr", w, self.xv(page_emb)))  # (B, Hkv, R)
+            pooled = torch.einsum("bhp,bhpr->bhr", w, page_emb)
+            fused = self.xo(pooled @ self.xv.weight.T + self.xv.bias * w.sum(-1, keepdim=True))  # (B, Hkv, R)
             z = self.mlp(torch.cat([text_state.unsqueeze(1).expand(b, hkv, r), fused], -1))  # (B, Hkv, M)
             L, H = c.num_layers, c.num_kv_heads
             w_out = self.out.base.weight.view(L, H, r, -1)[layer_idx, :hkv]  # only this layer's rows
