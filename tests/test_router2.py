@@ -83,7 +83,7 @@ def _randomise_correction(net: Router2Net, seed: int = 0) -> None:
 @pytest.mark.parametrize("budget", [{"read_budget": 0.25}, {"read_bytes_budget": 0.5}])
 def test_an_untrained_router2_selects_exactly_what_its_base_scorer_selects(tiny_random_llava, base, budget):
     model, processor = tiny_random_llava
-    net = new_router2(model, base=base, gcn=True)  # every part on: each starts at exactly zero
+    net = new_router2(model, base=base, locality=True, gcn=True)  # every part on: each starts at exactly zero
     prompts = zoo_prompts(2, seed=3)
     for prompt in prompts:
         inputs = _inputs(processor, prompt)
@@ -220,3 +220,32 @@ def test_predict_ahead_hits_every_page_when_the_query_stays_and_uses_the_previou
     assert torch.equal(ahead.score_pages(second), exact.score_pages(first))
     other_request = dataclasses.replace(first, query=q2, step=StepState())
     assert torch.equal(ahead.score_pages(other_request), exact.score_pages(other_request))
+
+
+def test_training_keeps_the_held_out_best_which_never_selects_worse_than_the_base(tiny_random_llava):
+    model, processor = tiny_random_llava
+    base = make_retrieval("quest")
+    train = capture_router2_data(model, processor, zoo_prompts(4, seed=21), base, max_new_tokens=2)
+    val = capture_router2_data(model, processor, zoo_prompts(3, seed=22), base, max_new_tokens=2)
+    net = new_router2(model)
+    pca_page_init2(net, train)
+    budgets = (0.10, 0.25)
+    start = [evaluate_router2(net, val, b)["base"] for b in budgets]
+    history = train_router2(net, train, val, Train2Options(epochs=3, lr=3e-2, batch=2, read_budgets=budgets))
+    end = [evaluate_router2(net, val, b)["router2"] for b in budgets]
+    assert sum(end) >= sum(start) - 1e-9
+    assert len(history) == 3 and all("kept" in row for row in history)
+
+
+def test_the_bundled_router2_serves_the_576_token_model_only(tiny_random_llava):
+    from transformers import LlavaForConditionalGeneration
+
+    from mm_oval.policies.router2 import bundled_router2_path
+    from mm_oval.zoo import bundled576_model_path
+
+    net = load_router2(bundled_router2_path())
+    assert net.config.base == "quest" and net.config.route_dim == 16
+    model576 = LlavaForConditionalGeneration.from_pretrained(bundled576_model_path()).eval()
+    Router2Retrieval(model=model576)  # checks against the model it was trained for: no error
+    with pytest.raises(ModelError, match="another model"):
+        mm_oval.wrap(tiny_random_llava[0], retrieval="router2", read_budget=0.25)

@@ -80,7 +80,7 @@ class Router2Config:
     lora_alpha: float = 8.0
     locality_tau: float = 32.0
     content: bool = True  # the content x text-state term
-    locality: bool = True  # the distance-decay term
+    locality: bool = False  # the distance-decay term (off by default: it added nothing over content)
     gcn: bool = False  # the co-read graph term
     gcn_window: int = 8  # steps of page reads the co-read graph holds
     model: dict[str, Any] = field(default_factory=dict)

@@ -74,8 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--version", type=int, choices=(1, 2), default=1, help="1: the router; 2: router v2")
     parser.add_argument("--base", choices=("quest", "oval"), default="quest", help="router v2's base scorer")
+    parser.add_argument(
+        "--base-options", default="{}", help='router v2: the base scorer\'s options as JSON, e.g. \'{"rank": 1}\''
+    )
     parser.add_argument("--no-content", action="store_true", help="router v2 without the content term")
-    parser.add_argument("--no-locality", action="store_true", help="router v2 without the locality term")
+    parser.add_argument(
+        "--locality", action="store_true", help="router v2 with the distance-decay term (off: it added nothing)"
+    )
     parser.add_argument("--gcn", action="store_true", help="router v2 with the co-read graph (GCN) term")
     parser.add_argument(
         "--objective", choices=("focal", "gumbel"), default="focal", help="router v2: focal loss or Gumbel top-k"
@@ -177,7 +182,13 @@ def run2(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, processor, _ = load_from_args(args, args.model or "bundled")
-    base = make_retrieval(args.base)
+    try:
+        base_options = json.loads(args.base_options)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--base-options {args.base_options!r} is not JSON ({e}); e.g. '{{\"rank\": 1}}'") from e
+    if not isinstance(base_options, dict):
+        raise ConfigError(f"--base-options must be a JSON object, got {args.base_options!r}")
+    base = make_retrieval(args.base, **base_options)
     kw = dict(
         max_new_tokens=args.max_new_tokens,
         prompt_queries=args.prompt_queries,
@@ -205,8 +216,8 @@ def run2(args: argparse.Namespace) -> int:
         log.info("resuming router v2 training in %s after epoch %d", out, start)
     else:
         net = new_router2(
-            model, base=args.base, route_dim=args.route_dim or 16, content=not args.no_content,
-            locality=not args.no_locality, gcn=args.gcn,
+            model, base=args.base, base_options=base_options, route_dim=args.route_dim or 16, content=not args.no_content,
+            locality=args.locality, gcn=args.gcn,
         )  # fmt: skip
         pca_page_init2(net, sets["train"])
 
@@ -226,6 +237,11 @@ def run2(args: argparse.Namespace) -> int:
     )
     bar.close()
     checkpoint(args.epochs, rows)
+    if sets["val"] and rows and not any(r.get("kept") for r in rows):
+        log.warning(
+            "no epoch beat the starting weights on the held-out prompts: the saved router v2 selects what it "
+            "started from (a fresh one: its base scorer; `weights=none` reads no page record)"
+        )
     if rows and "val25_router2" in rows[-1]:
         h = rows[-1]
         log.info(

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -833,6 +834,9 @@ class Train2Options:
     gumbel_budget: float = 0.25
     seed: int = 0
     read_budgets: tuple[float, ...] = (0.10, 0.25)  # held-out capture is reported at these
+    # keep the weights with the best held-out capture (mean over read_budgets), the starting ones included:
+    # a router v2 trained from zero then never selects worse than its base scorer on the held-out prompts
+    keep_best: bool = True
 
 
 def train_router2(
@@ -860,6 +864,9 @@ def train_router2(
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=o.lr, total_steps=max(steps, 1), pct_start=0.1)
     history: list[dict[str, float]] = []
     num_layers = train[0].mass.shape[1]
+    best: tuple[float, dict[str, torch.Tensor]] | None = None
+    if val and o.keep_best:  # the weights to beat: these (the base scorer alone for a fresh router)
+        best = (_held_out_score(net, val, o.read_budgets), copy.deepcopy(net.state_dict()))
     for epoch in range(start_epoch, o.epochs):
         net.train()
         order = list(range(len(train)))
@@ -889,14 +896,27 @@ def train_router2(
             for rb in o.read_budgets:
                 row |= {f"val{int(rb * 100)}_{k}": v for k, v in evaluate_router2(net, val, rb).items()}
         net.eval()
+        if best is not None:
+            score = sum(row[f"val{int(rb * 100)}_router2"] for rb in o.read_budgets) / len(o.read_budgets)
+            if score > best[0]:
+                best = (score, copy.deepcopy(net.state_dict()))
+            row["kept"] = float(score >= best[0])
         history.append(row)
         log.info("router2 epoch %d: %s", epoch + 1, ", ".join(f"{k}={v:.4f}" for k, v in row.items()))
         if progress is not None:
             progress(row)
         if checkpoint is not None:
             checkpoint(epoch + 1, history)
+    if best is not None:  # the held-out best, which is never below the weights training started from
+        net.load_state_dict(best[1])
+        if checkpoint is not None:
+            checkpoint(o.epochs, history)
     net.eval()
     return history
+
+
+def _held_out_score(net: Any, val: list[Router2Sample], budgets: tuple[float, ...]) -> float:
+    return sum(evaluate_router2(net, val, rb)["router2"] for rb in budgets) / len(budgets)
 
 
 @torch.no_grad()
