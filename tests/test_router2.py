@@ -88,7 +88,7 @@ def test_an_untrained_router2_selects_exactly_what_its_base_scorer_selects(tiny_
     for prompt in prompts:
         inputs = _inputs(processor, prompt)
         model, out_b, seen_b, _, _ = _run(model, inputs, base, {}, **budget)
-        model, out_r, seen_r, _, _ = _run(model, inputs, "router2", {"net": net}, **budget)
+        model, out_r, seen_r, _, _ = _run(model, inputs, "router2", {"net": net, "skip_zero": False}, **budget)
         assert torch.equal(out_b, out_r)
         assert len(seen_b) == len(seen_r) > 0
         assert all(torch.equal(a, b) for a, b in zip(seen_b, seen_r))
@@ -162,7 +162,8 @@ def test_summary_bytes_count_the_router_record(tiny_random_llava):
     net = new_router2(model, route_dim=16)
     inputs = _inputs(processor, zoo_prompts(1, seed=5)[0])
     model, _, _, quest, _ = _run(model, inputs, "quest", {}, 3, read_budget=0.25)
-    model, _, _, router2, policy = _run(model, inputs, "router2", {"net": net}, 3, read_budget=0.25)
+    opts = {"net": net, "skip_zero": False}
+    model, _, _, router2, policy = _run(model, inputs, "router2", opts, 3, read_budget=0.25)
     assert router2["selected"] == quest["selected"]  # the same pages (zero correction)
     kmin = torch.zeros(1, 2, 3, 32)
     page_len = torch.full((1, 2, 3), 4)
@@ -174,6 +175,9 @@ def test_summary_bytes_count_the_router_record(tiny_random_llava):
     per_page_quest = 2 * text.head_dim * 4
     pages = quest["summaries"] / per_page_quest
     assert router2["summaries"] == pytest.approx(quest["summaries"] + pages * 64)
+    # a correction that is exactly zero is dropped by default: the base alone, no record read
+    model, _, _, zero, policy = _run(model, inputs, "router2", {"net": net}, 3, read_budget=0.25)
+    assert policy.net is None and zero == quest
 
 
 def _ctx(query, summaries, p=6):

@@ -133,6 +133,15 @@ class Router2Net(nn.Module):
         self.gcn_in = nn.Linear(r + 1, r)
         self.gcn_weight = nn.Parameter(torch.zeros(c.num_layers, c.num_kv_heads, r))
 
+    def correction_is_zero(self) -> bool:
+        """True when every term's output weights are zero (a fresh router, or training kept its start): the
+        correction is then exactly 0 whatever the inputs."""
+        c = self.config
+        zero = [self.out.base.weight, self.out.base.bias, self.out.lora_b] if c.content else []
+        zero += [self.locality_weight] if c.locality else []
+        zero += [self.gcn_weight] if c.gcn else []
+        return all(not bool(t.any()) for t in zero)
+
     # pages ------------------------------------------------------------------------------------------
     def token_embeddings(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """(..., hidden) LM input embeddings -> (..., route_dim): W_page LN(x), per token."""
@@ -300,7 +309,8 @@ def predicted_context(ctx: DecodeContext, previous_query: torch.Tensor | None) -
 @register_retrieval
 class Router2Retrieval(RetrievalPolicy):
     """Router v2 (module docstring). Options: `weights` (a router2 directory, a bundled name such as
-    "bundled576", or "none": no correction, the base scorer alone), `base` ("quest" or "oval"; with trained
+    "bundled576", or "none": no correction, the base scorer alone; weights whose correction is exactly zero
+    act as "none"), `base` ("quest" or "oval"; with trained
     weights, the one they were trained on), `base_options` (the base scorer's options), `predict_ahead`
     ("off" or "step"), `gcn_budget` (the share of candidates a step counts as read in the co-read graph)."""
 
@@ -318,6 +328,7 @@ class Router2Retrieval(RetrievalPolicy):
         model: Any = None,
         check_weights: bool = True,
         gcn_budget: float = 0.25,
+        skip_zero: bool = True,
     ):
         if predict_ahead not in ("off", "step"):
             raise ConfigError(f"router2: predict_ahead must be 'off' or 'step', got {predict_ahead!r}")
@@ -327,8 +338,10 @@ class Router2Retrieval(RetrievalPolicy):
             net = load_router2(self.source)
         else:
             self.source = "<in-memory>" if net is not None else "<none>"
-        self.net = net.eval() if net is not None else None
-        trained = self.net.config if self.net is not None else None
+        trained = net.config if net is not None else None
+        # a correction that is exactly zero changes no choice: the base alone, reading no page record
+        # (`skip_zero=False` keeps it, to run the correction's arithmetic)
+        self.net = net.eval() if net is not None and not (skip_zero and net.correction_is_zero()) else None
         if trained is not None and base is not None and base != trained.base:
             raise ConfigError(
                 f"router2: the weights in {self.source} were trained on base={trained.base!r}, not {base!r}; "

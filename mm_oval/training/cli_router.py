@@ -242,8 +242,10 @@ def run2(args: argparse.Namespace) -> int:
             "no epoch beat the starting weights on the held-out prompts: the saved router v2 selects what it "
             "started from (a fresh one: its base scorer; `weights=none` reads no page record)"
         )
-    if rows and "val25_router2" in rows[-1]:
-        h = rows[-1]
+    if sets["val"]:  # the weights kept (the held-out best), not the last epoch's
+        from .router import evaluate_router2
+
+        h = {f"val{int(b * 100)}_{k}": v for b in (0.10, 0.25) for k, v in evaluate_router2(net, sets["val"], b).items()}
         log.info(
             "held-out share of candidate attention mass at 10%% / 25%% of the pages: router2 %.3f / %.3f, "
             "base %.3f / %.3f, oracle %.3f / %.3f",
