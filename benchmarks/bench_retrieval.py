@@ -28,6 +28,13 @@ bytes (`quality_at_bytes`, `read_vs_dense_at_bytes`) the budget is that share of
 a page count per KV head by the cache's own rule (`pages_within_bytes`): where the summaries and the
 always-read tokens exceed it, no optional page is read.
 
+Router v2 (`router2`) rows: `--router2 NAME=DIR ...`, or the bundled one when it was trained for the model
+(`--model bundled576`). Predict-ahead: for every method that scores pages from the query, the share of the
+pages it picks from the exact query that its pick from the previous position's query holds
+(`mm_oval.policies.router2.predict_ahead_hit_rate`), per KV head, at each page budget. `--width-cost` times
+router v2's correction against one decode layer at LLaVA-1.5-7B's shape and reports its largest tensor
+against one layer's full KV.
+
 Cost. The model is wrapped with each retrieval method at read budget 25% and generates; the time spent
 in the policy's `score_pages` + `select` is measured inside the same decode steps as the step time, so
 the share printed is a ratio from one run.

@@ -355,7 +355,6 @@ class Router2Retrieval(RetrievalPolicy):
         self.predict_ahead = predict_ahead
         self.check_weights = check_weights
         self.gcn_budget = float(gcn_budget)
-        self._base_keys: set[str] = set()
         self._previous_query = _StepMemory()
         self._history = _StepMemory()
         if model is not None:
@@ -370,7 +369,6 @@ class Router2Retrieval(RetrievalPolicy):
     # summaries --------------------------------------------------------------------------------------
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
         out = dict(self.base.summarize(pages))
-        self._base_keys = set(out)
         if self.net is None:
             return out
         c = self.net.config
@@ -380,7 +378,6 @@ class Router2Retrieval(RetrievalPolicy):
                 f"{pages.layer_idx}: it belongs to another model; {_HINT}"
             )
         embeds, token_index = pages.request.inputs_embeds, pages.token_index
-        b, hkv, p = pages.kind.shape
         dtype = pages.keys.dtype
         with torch.no_grad():
             net = self.net.to(pages.keys.device)
