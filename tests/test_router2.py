@@ -253,3 +253,24 @@ def test_the_bundled_router2_serves_the_576_token_model_only(tiny_random_llava):
     Router2Retrieval(model=model576)  # checks against the model it was trained for: no error
     with pytest.raises(ModelError, match="another model"):
         mm_oval.wrap(tiny_random_llava[0], retrieval="router2", read_budget=0.25)
+
+
+def test_train_router_version_2_saves_each_epoch_resumes_and_serves(tiny_random_llava_dir, tmp_path):
+    import json
+
+    from mm_oval.cli import main
+
+    out = tmp_path / "r2"
+    argv = ["train-router", "--version", "2", "--model", str(tiny_random_llava_dir), "--out", str(out)]
+    argv += ["--data", "zoo:3", "--val", "zoo:2", "--max-new-tokens", "2", "--batch", "4", "--threads", "1"]
+    assert main([*argv, "--epochs", "1"]) == 0
+    assert (out / "capture_train.safetensors").is_file() and (out / "capture_val.safetensors").is_file()
+    assert len(json.loads((out / "history.json").read_text())["history"]) == 1
+    assert main([*argv, "--epochs", "2", "--resume"]) == 0  # reuses the captures, runs epoch 2 only
+    assert [r["epoch"] for r in json.loads((out / "history.json").read_text())["history"]] == [1, 2]
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_random_llava_dir).eval()
+    mm_oval.wrap(model, retrieval="router2", retrieval_options={"weights": str(out)}, read_budget=0.25)
+    mm_oval.unwrap(model)
+    assert main([*argv, "--base-options", "[1]"]) == 2  # a user error: one line, exit status 2
