@@ -465,7 +465,8 @@ class Router2Retrieval(RetrievalPolicy):
         return chosen
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return list(self.net.parameters()) if self.net is not None else []
+        """The router's weights and the base scorer's own state."""
+        return [*(self.net.parameters() if self.net is not None else []), *self.base.state_tensors()]
 
 
 def _pages_for(candidates: torch.Tensor, read_budget: float | torch.Tensor) -> torch.Tensor:
