@@ -495,6 +495,7 @@ def width_cost(batch: int = 4, images: int = 4, text_tokens: int = 100, repeats:
         idx = torch.arange(pages * 4).clamp(max=n - 1).view(1, 1, pages, 4).expand(batch, heads, pages, 4)
         pooled = pool_token_embeddings(tok, idx)
     gathered = batch * heads * pages * 4 * net.config.route_dim * 4  # the (B, Hkv, P, T, R) fp32 gather
+    gathered = max(gathered, batch * 256 * hidden * 4)  # or a 256-token chunk of the normalised embeddings
     kv_layer = 2 * batch * heads * n * head_dim * 2
     out = {
         "decode_layer_ms": times["decode_layer"],

@@ -143,9 +143,11 @@ class Router2Net(nn.Module):
         return all(not bool(t.any()) for t in zero)
 
     # pages ------------------------------------------------------------------------------------------
-    def token_embeddings(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) LM input embeddings -> (..., route_dim): W_page LN(x), per token."""
-        return self.page_proj(self.content_norm(inputs_embeds.float()))
+    def token_embeddings(self, inputs_embeds: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+        """(B, N, hidden) LM input embeddings -> (B, N, route_dim): W_page LN(x), per token, `chunk` tokens at
+        a time (the fp32 normalised copy is never the whole prompt's)."""
+        parts = [self.page_proj(self.content_norm(x.float())) for x in inputs_embeds.split(chunk, dim=-2)]
+        return torch.cat(parts, -2)
 
     def page_embeddings(self, content: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
         """content (..., hidden) = the mean of LN(x) over each page's tokens (what training captures) -> (..., R).
