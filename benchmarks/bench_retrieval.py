@@ -25,8 +25,9 @@ Bytes. What a decode step at that row would read, per KV head, as the cache coun
 random), the selected pages' keys and values, and the rest of the tokens up to the row (always read),
 over dense attention's (every token up to the row); `read_vs_dense` per method and page budget. At equal
 bytes (`quality_at_bytes`, `read_vs_dense_at_bytes`) the budget is that share of dense bytes, turned into
-a page count per KV head by the cache's own rule (`pages_within_bytes`): where the summaries and the
-always-read tokens exceed it, no optional page is read.
+a page count per KV head (`pages_within_bytes`: the pages here are fixed tiles of one size, for which
+that count is what the cache's own rule, `fill_by_score`, reads): where the summaries and the always-read
+tokens exceed it, no optional page is read.
 
 Router v2 (`router2`) rows: `--router2 NAME=DIR ...`, or the bundled one when it was trained for the model
 (`--model bundled576`). Predict-ahead: for every method that scores pages from the query, the share of the

@@ -95,7 +95,9 @@ def page_kv_bytes(page_len: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def pages_within_bytes(page_bytes: torch.Tensor, cand: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
     """(..., P) page bytes, (..., P) bool candidates, (...) bytes left for optional pages -> (...) long: the
-    most candidate pages that fit `left` whichever are picked (the count of the largest ones that fit)."""
+    most candidate pages that fit `left` whichever are picked (the count of the largest ones that fit).
+    For pages of one size this is the count `core.fill_by_score` (what the cache reads) reads; the
+    retrieval benchmark's oracle and random rows use it."""
     sizes = torch.where(cand, page_bytes, 0).sort(-1, descending=True).values.cumsum(-1)
     return (sizes <= left.unsqueeze(-1)).sum(-1).minimum(cand.sum(-1))
 
