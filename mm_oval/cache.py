@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextvars
 import copy
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -316,8 +315,6 @@ class PagedLayer(CacheLayerMixin):
         )
         sizing = cfg.sizing if owner.retrieval is not None else None
         if sizing is not None:  # OVAL sizing: pages chosen per layer and KV head from the keys
-            # a rank-r page basis (LOCKS / OVAL) describes a page up to its rank-r subspace: sized to that
-            sizing = dataclasses.replace(sizing, rank=int(getattr(owner.retrieval, "rank", 0) or 0))
             labels = dynamic_labels(keys, keep, info.modality, info.image_rc, sizing)
             lay = layout_pages(keep, *args, labels=labels)
         elif keep is valid:  # nothing evicted: every layer has the same layout, built once per request

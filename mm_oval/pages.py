@@ -73,16 +73,13 @@ class PageSizing:
     whichever pages are read, so a head gets at most one page per `mean_tokens` kept tokens (what fixed
     pages of that size cost): the threshold rises from `split` until the head fits, so the tiles whose
     keys spread most are the ones cut. Text pages are the same over the run of kept text tokens (spread
-    of the text keys): aligned runs of `max_tokens`, halved down to `min_text_tokens`. With `rank` r > 0
-    (the cache sets the retrieval policy's basis rank: LOCKS / OVAL), the distance is to the tile's rank-r
-    principal subspace through its mean, what the page's basis cannot represent, instead of to the mean."""
+    of the text keys): aligned runs of `max_tokens`, halved down to `min_text_tokens`."""
 
     split: float = 0.05
     max_tokens: int = 32
     min_tokens: int = 2
     min_text_tokens: int = 4
     mean_tokens: int = 16
-    rank: int = 0  # the distance measured to a tile's rank-r principal subspace (LOCKS / OVAL's basis rank)
 
     def image_levels(self) -> list[tuple[int, int]]:
         """Tile shapes (rows, cols) from the largest to the smallest, each nested in the one before."""
@@ -118,40 +115,18 @@ def _masked_mean_key(keys: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
 
 
 def _tile_dispersion(
-    keys: torch.Tensor, member: torch.Tensor, tile: torch.Tensor, n_tiles: int, size: int, rank: int = 0
+    keys: torch.Tensor, member: torch.Tensor, tile: torch.Tensor, n_tiles: int
 ) -> torch.Tensor:
-    """keys (B, H, N, D) fp32, member (B, H, N) bool, tile (B, H, N) long, tiles of at most `size` tokens ->
-    (B, H, n_tiles): per tile, the largest squared distance of a member to the tile's mean key (rank 0) or
-    to the tile's rank-`rank` principal subspace through that mean (what a rank-r page basis misses)."""
+    """keys (B, H, N, D) fp32, member (B, H, N) bool, tile (B, H, N) long -> (B, H, n_tiles): per tile, the
+    largest squared distance of a member to the tile's mean key."""
     B, H, N, D = keys.shape
     t = tile.clamp(min=0)
     m = member.unsqueeze(-1).to(keys.dtype)
     total = keys.new_zeros(B, H, n_tiles, D).scatter_add_(2, t.unsqueeze(-1).expand(B, H, N, D), keys * m)
     count = keys.new_zeros(B, H, n_tiles).scatter_add_(2, t, member.to(keys.dtype))
     mean = total / count.clamp_min(1.0).unsqueeze(-1)
-    x = (keys - mean.gather(2, t.unsqueeze(-1).expand(B, H, N, D))) * m  # centred, 0 for non-members
-    if rank == 0 or size <= rank:
-        dist = x.square().sum(-1) if rank == 0 else torch.zeros_like(x[..., 0])
-        return keys.new_zeros(B, H, n_tiles).scatter_reduce_(2, t, dist, reduce="amax")
-    # each member's slot in its tile (members in position order), then the tiles' T x T Gram matrices
-    big = n_tiles * N
-    order = torch.where(member, t * N + torch.arange(N, device=keys.device), big).argsort(dim=-1, stable=True)
-    sorted_tile = torch.where(member, t, n_tiles).gather(-1, order)
-    first = torch.full((B, H, n_tiles + 1), N, dtype=torch.long, device=keys.device)
-    first.scatter_reduce_(2, sorted_tile, torch.arange(N, device=keys.device).expand(B, H, N), reduce="amin")
-    slot_sorted = torch.arange(N, device=keys.device) - first.gather(-1, sorted_tile)
-    ok = (sorted_tile < n_tiles) & (slot_sorted < size)
-    flat = torch.where(ok, sorted_tile * size + slot_sorted, n_tiles * size)  # the overflow row is dropped
-    grid = keys.new_zeros(B, H, n_tiles * size + 1, D)
-    grid.scatter_(
-        2, flat.unsqueeze(-1).expand(B, H, N, D), x.gather(2, order.unsqueeze(-1).expand(B, H, N, D))
-    )
-    xt = grid[:, :, :-1].reshape(B, H, n_tiles, size, D)
-    lam, u = torch.linalg.eigh(xt @ xt.transpose(-1, -2))  # ascending
-    lam = lam.clamp_min(0.0)
-    # a token's squared distance to the top-`rank` subspace: sum over the discarded directions
-    res = (u[..., : size - rank].square() * lam[..., None, : size - rank]).sum(-1)  # (B, H, n_tiles, size)
-    return res.amax(-1)
+    dist = (keys - mean.gather(2, t.unsqueeze(-1).expand(B, H, N, D))).square().sum(-1)
+    return keys.new_zeros(B, H, n_tiles).scatter_reduce_(2, t, dist * member, reduce="amax")
 
 
 def _present(tokens: torch.Tensor, tile: torch.Tensor, n_tiles: int) -> torch.Tensor:
@@ -175,9 +150,7 @@ def dynamic_labels(
     B, H, N = keep.shape
     if H > head_chunk:
         parts = [
-            dynamic_labels(
-                keys[:, h : h + head_chunk], keep[:, h : h + head_chunk], modality, image_rc, sizing
-            )
+            dynamic_labels(keys[:, h : h + head_chunk], keep[:, h : h + head_chunk], modality, image_rc, sizing)
             for h in range(0, H, head_chunk)
         ]
         return torch.cat([p[0] for p in parts], 1), parts[0][1]
@@ -186,16 +159,13 @@ def dynamic_labels(
     label = torch.full((B, H, N), -1, dtype=torch.long, device=keep.device)
     offset = 0
 
-    def assign(member: torch.Tensor, tiles: list[tuple[torch.Tensor, int]], sizes: list[int]) -> None:
+    def assign(member: torch.Tensor, tiles: list[tuple[torch.Tensor, int]]) -> None:
         nonlocal label, offset
         mu = _masked_mean_key(k, member)
         spread = ((k - mu.unsqueeze(-2)).square().sum(-1) * member).sum(-1) / member.sum(-1).clamp_min(1)
         spread = spread.clamp_min(1e-30).unsqueeze(-1)  # (B, H, 1)
         # per level, each tile's dispersion as a share of the head's spread (the last level is never cut)
-        disp = [
-            _tile_dispersion(k, member, t, n, size, sizing.rank) / spread
-            for (t, n), size in zip(tiles[:-1], sizes[:-1])
-        ]
+        disp = [_tile_dispersion(k, member, t, n) / spread for t, n in tiles[:-1]]
 
         def cut(threshold: torch.Tensor):
             """-> per level the tokens that stay in that level's tile, and the page count per head."""
@@ -227,16 +197,14 @@ def dynamic_labels(
 
     is_txt = keep & (mod == TEXT)  # text: aligned runs of the kept text tokens, halved
     text_ord = (is_txt.long().cumsum(-1) - 1).clamp(min=0)
-    text_sizes = sizing.text_levels()
-    assign(is_txt, [(text_ord // size, N // size + 1) for size in text_sizes], text_sizes)
+    assign(is_txt, [(text_ord // size, N // size + 1) for size in sizing.text_levels()])
     is_img = keep & (mod == IMAGE)  # image: nested tiles of each image's grid
     if bool(is_img.any()):
-        levels, sizes = [], []
+        levels = []
         for h, w in sizing.image_levels():
             tile, n_tiles = _tile_ids(image_rc, h, w)
             levels.append((tile.unsqueeze(1).expand(B, H, N), n_tiles))
-            sizes.append(h * w)
-        assign(is_img, levels, sizes)
+        assign(is_img, levels)
     return label, offset
 
 

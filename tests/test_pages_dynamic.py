@@ -198,25 +198,3 @@ def test_heads_sized_in_chunks_get_the_pages_they_get_alone():
     whole, n_whole = dynamic_labels(keys, keep, mod, rc, sizing, head_chunk=6)
     chunked, n_chunked = dynamic_labels(keys, keep, mod, rc, sizing, head_chunk=4)
     assert n_whole == n_chunked and torch.equal(whole, chunked)
-
-
-@pytest.mark.parametrize("rank", [0, 1, 2])
-def test_a_tiles_dispersion_is_what_its_rank_r_basis_misses(rank):
-    """With rank r the cut measure is each key's squared distance to the tile's rank-r principal subspace
-    through its mean (rank 0: to the mean), the largest over the tile's kept keys (checked by SVD)."""
-    from mm_oval.pages import _tile_dispersion
-
-    g = torch.Generator().manual_seed(rank)
-    B, H, N, D, T = 1, 2, 24, 6, 8
-    keys = torch.randn(B, H, N, D, generator=g)
-    member = torch.rand(B, H, N, generator=g) < 0.8
-    tile = (torch.arange(N) // T).expand(B, H, N).clone()
-    got = _tile_dispersion(keys, member, tile, N // T, T, rank)
-    for h in range(H):
-        for t in range(N // T):
-            x = keys[0, h][(tile[0, h] == t) & member[0, h]]
-            x = x - x.mean(0)
-            if rank:
-                v = torch.linalg.svd(x, full_matrices=False).Vh[:rank]
-                x = x - x @ v.T @ v
-            assert got[0, h, t] == pytest.approx(float(x.square().sum(-1).max()), abs=1e-4)
