@@ -48,10 +48,12 @@ from ..errors import ConfigError, DataError, ModelError
 from ..files import atomic_write_bytes, atomic_write_json
 from .base import (
     IMAGE,
+    BytesBudget,
     DecodeContext,
     PageBatch,
     RetrievalPolicy,
     budget_count,
+    fill_by_score,
     make_retrieval,
     register_retrieval,
     topk_mask,
@@ -457,9 +459,12 @@ class Router2Retrieval(RetrievalPolicy):
             return ctx.candidates.new_zeros(*ctx.candidates.shape[:2], 0, p)
         return torch.nn.functional.pad(h, (0, p - h.shape[-1])) if h.shape[-1] < p else h[..., :p]
 
-    def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor) -> torch.Tensor:
+    def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor | BytesBudget) -> torch.Tensor:
         scores = self.score_pages(ctx)
-        chosen = topk_mask(scores, ctx.candidates, _pages_for(ctx.candidates, read_budget))
+        if isinstance(read_budget, BytesBudget):  # the best pages while their bytes fit, as the base class
+            chosen = fill_by_score(scores, ctx.candidates, read_budget.page_bytes, read_budget.left)
+        else:
+            chosen = topk_mask(scores, ctx.candidates, _pages_for(ctx.candidates, read_budget))
         if self.net is not None and self.net.config.gcn:  # what the co-read graph of later steps holds
             read = topk_mask(scores, ctx.candidates, _pages_for(ctx.candidates, self.gcn_budget))
             h = torch.cat([self._gcn_history(ctx), read.unsqueeze(-2)], -2)
