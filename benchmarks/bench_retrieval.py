@@ -68,7 +68,7 @@ from mm_oval.policies.base import (
 )
 from mm_oval.policies.router2 import predict_ahead_hit_rate
 from mm_oval.stats import get_stats
-from mm_oval.training.router import zoo_prompts
+from mm_oval.training.router import hidden_and_embeds_hooks, zoo_prompts
 
 BUDGETS = (0.10, 0.25, 0.50)
 BYTES_BUDGETS = (0.05, 0.10, 0.25, 0.50)  # fractions of dense attention's bytes per decode step
@@ -181,12 +181,7 @@ def quality(
     heads = {"image_mass": 0, "top16_mass": 0, "focused_mass": 0}
     cap = Capture()
     box: dict[str, Any] = {}
-    hooks = [
-        lm.norm.register_forward_hook(lambda m, a, o: box.__setitem__("hidden", o.detach())),
-        lm.register_forward_pre_hook(
-            lambda m, a, kw: box.__setitem__("embeds", kw["inputs_embeds"].detach()), with_kwargs=True
-        ),
-    ]
+    hooks = hidden_and_embeds_hooks(lm, box)
     previous = cfg._attn_implementation
     try:
         for prompt in prompts:

@@ -256,36 +256,48 @@ def save_router(router: HybridRouter, out_dir: str | Path) -> Path:
     return out
 
 
-def load_router(path: str | Path, model: Any = None) -> HybridRouter:
-    """Load a router directory; with `model`, check it was trained for that model (ModelError otherwise)."""
-
+def load_weights_dir(
+    path: str | Path,
+    config_cls: Any,
+    build: Any,
+    what: str,
+    hint: str,
+    model: Any = None,
+    config_file: str = CONFIG_FILE,
+    weights_file: str = WEIGHTS_FILE,
+) -> Any:
+    """A learned router's directory (`config_file` JSON + `weights_file` safetensors) -> `build(config)`
+    with its weights, in eval mode; with `model`, checked against the model it was trained for. Missing,
+    malformed or mismatched files are DataErrors naming the file (ModelError for another model)."""
     d = Path(path)
-    cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    cfg_path, w_path = d / config_file, d / weights_file
     if not cfg_path.is_file() or not w_path.is_file():
-        raise DataError(
-            f"{d}: not a router directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); train one with `mm-oval train-router`"
-        )
-
+        raise DataError(f"{d}: not a {what} directory (needs {config_file} and {weights_file}); {hint}")
     try:
         raw = json.loads(cfg_path.read_text())
         raw.pop("format", None)
-        config = RouterConfig(**raw)
+        config = config_cls(**raw)
     except (json.JSONDecodeError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise DataError(f"{cfg_path}: not a valid router config ({e}); retrain or restore the router") from e
-    router = HybridRouter(config)
+        raise DataError(f"{cfg_path}: not a valid {what} config ({e}); retrain or restore the router") from e
+    net = build(config)
     try:
         state = load_file(str(w_path))
     except (SafetensorError, OSError) as e:
         raise DataError(f"{w_path} is truncated or corrupt ({e}); retrain or restore the router") from e
     try:
-        router.load_state_dict(state)
+        net.load_state_dict(state)
     except RuntimeError as e:
-        raise DataError(
-            f"{w_path}: weights do not match {cfg_path} ({e}); retrain or restore the router"
-        ) from e
+        raise DataError(f"{w_path}: weights do not match {cfg_path} ({e}); retrain or restore the router") from e
     if model is not None:
         check_signature(config.model, model, str(d))
-    return router.eval()
+    return net.eval()
+
+
+def load_router(path: str | Path, model: Any = None) -> HybridRouter:
+    """Load a router directory; with `model`, check it was trained for that model (ModelError otherwise)."""
+    return load_weights_dir(
+        path, RouterConfig, HybridRouter, "router", "train one with `mm-oval train-router`", model
+    )
 
 
 def bundled_router_path() -> Path:

@@ -31,7 +31,6 @@ the pages the exact scores choose the predicted ones hold.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -40,11 +39,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 from torch import nn
 
-from ..errors import ConfigError, DataError, ModelError
+from ..errors import ConfigError, ModelError
 from ..files import atomic_write_bytes, atomic_write_json
 from .base import (
     IMAGE,
@@ -58,7 +56,7 @@ from .base import (
     register_retrieval,
     topk_mask,
 )
-from .router import LoRALinear, check_signature
+from .router import LoRALinear, check_signature, load_weights_dir
 
 WEIGHTS_FILE = "router2.safetensors"
 CONFIG_FILE = "router2.json"
@@ -238,30 +236,9 @@ def save_router2(net: Router2Net, out_dir: str | Path) -> Path:
 
 def load_router2(path: str | Path, model: Any = None) -> Router2Net:
     """Load a router v2 directory; with `model`, check it was trained for that model (ModelError otherwise)."""
-    d = Path(path)
-    cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
-    if not cfg_path.is_file() or not w_path.is_file():
-        raise DataError(f"{d}: not a router v2 directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); {_HINT}")
-    try:
-        raw = json.loads(cfg_path.read_text())
-        raw.pop("format", None)
-        config = Router2Config(**raw)
-    except (json.JSONDecodeError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise DataError(f"{cfg_path}: not a valid router v2 config ({e}); retrain or restore it") from e
-    net = Router2Net(config)
-    try:
-        state = load_file(str(w_path))
-    except (SafetensorError, OSError) as e:
-        raise DataError(f"{w_path} is truncated or corrupt ({e}); retrain or restore the router") from e
-    try:
-        net.load_state_dict(state)
-    except RuntimeError as e:
-        raise DataError(
-            f"{w_path}: weights do not match {cfg_path} ({e}); retrain or restore the router"
-        ) from e
-    if model is not None:
-        check_signature(config.model, model, str(d))
-    return net.eval()
+    return load_weights_dir(
+        path, Router2Config, Router2Net, "router v2", _HINT, model, CONFIG_FILE, WEIGHTS_FILE
+    )
 
 
 BUNDLED = {"bundled576": "tiny_llava576_router2"}  # weights=NAME -> mm_oval.zoo package data folder

@@ -87,6 +87,17 @@ def load_prompts(spec: str, seed: int = 0) -> list[Prompt]:
     return out
 
 
+def hidden_and_embeds_hooks(lm: Any, box: dict[str, Any]) -> list:
+    """Hooks on a language model that keep, in `box`, its final hidden states ("hidden": the output of its
+    last norm) and its input embeddings ("embeds") of the latest forward; remove them when done."""
+    return [
+        lm.norm.register_forward_hook(lambda m, a, o: box.__setitem__("hidden", o.detach())),
+        lm.register_forward_pre_hook(
+            lambda m, a, kw: box.__setitem__("embeds", kw["inputs_embeds"].detach()), with_kwargs=True
+        ),
+    ]
+
+
 def _lm(model: Any) -> Any:
     lm = getattr(getattr(model, "model", None), "language_model", None)
     if lm is None or getattr(model.config, "image_token_id", None) is None:
@@ -600,12 +611,7 @@ def capture_router2_data(
     group = hq // hkv
     cap = _QKVCapture()
     box: dict[str, Any] = {}
-    hooks = [
-        lm.norm.register_forward_hook(lambda m, a, o: box.__setitem__("hidden", o.detach())),
-        lm.register_forward_pre_hook(
-            lambda m, a, kw: box.__setitem__("embeds", kw["inputs_embeds"].detach()), with_kwargs=True
-        ),
-    ]
+    hooks = hidden_and_embeds_hooks(lm, box)
     previous = model.config._attn_implementation
     out: list[Router2Sample] = []
     try:
