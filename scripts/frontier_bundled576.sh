@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Quality against the bytes a decode step reads, on the 576-token bundled benchmark: each retrieval method
 # at 5 / 10 / 25 / 50% of dense attention's bytes per step (read_bytes_budget: summaries scanned + KV of
-# the pages selected + always-read pages, against every resident slot), in three settings: single
-# questions with the image compressed before the question (VQAv2), the long-answer object list, and
-# conversations of 4 questions about one image. 3 sinks, no recent window, text pages always read.
+# the pages selected + always-read pages, against every resident slot), in four settings: single
+# questions with the image compressed before the question (VQAv2 and MMBench), the long-answer object
+# list, and conversations of 4 questions about one image. 3 sinks, no recent window, text pages always read.
 # Methods: Quest, LOCKS and OVAL with fixed pages (2x2 and 4x4 tiles) and dynamic ones (OVAL's sizing),
-# float and compact summaries, and router v2 when its bundled weights exist. Each cell resumes; tables
+# float and compact summaries, and router v2 (its bundled weights: a Quest base on 2x2 tiles). Each cell resumes; tables
 # and plots land in docs/results/frontier_*_576.md / .png. First questions of each dev set only (VQAv2
-# 80 = 10 per type, lists 20, conversations 40 = 10 of 4); LIMIT_VQA, LIMIT_LIST, LIMIT_MT change that.
+# 80 = 10 per type, MMBench 24 base questions with their rotations, lists 20, conversations 40 = 10 of 4);
+# LIMIT_VQA, LIMIT_MMB, LIMIT_LIST, LIMIT_MT change that.
 # Then retrieval on top of KVP eviction (SKIP_KVP=1 leaves it out).
 #
 #   scripts/frontier_bundled576.sh
@@ -22,7 +23,7 @@ C=summary_format=compact
 if [ -z "${METHODS:-}" ]; then
     METHODS=(quest:$O quest:$O,image_tile=4 quest:$O,$D quest:$O,$D,$C
              oval:$O,image_tile=4 oval:$O,$D oval:$O,image_tile=4,$C oval:$O,$D,$C locks:$O,$D,$C
-             ${EXTRA_METHODS:-})
+             router2:$O,weights=bundled576 ${EXTRA_METHODS:-})
 else
     read -r -a METHODS <<< "$METHODS"
 fi
@@ -37,6 +38,7 @@ run() {  # name, then the sweep's arguments
 run vqav2_compress_image --task vqav2 --compress image --limit "${LIMIT_VQA:-80}" --batch-size 20 &
 run objlist_compress_image --task objlist --compress image --limit "${LIMIT_LIST:-20}" --batch-size 10 &
 run vqav2_multi_turn4 --task vqav2 --multi-turn 4 --limit "${LIMIT_MT:-40}" &
+run mmbench_compress_image --task mmbench --compress image --limit "${LIMIT_MMB:-24}" --batch-size 20 &
 wait
 # Retrieval on top of KVP eviction: the eviction budget (10%, 25% of the image KV kept) on the budget axis,
 # the retrieval method reading a share of the kept cache's bytes per step.
