@@ -313,7 +313,7 @@ class PagedLayer(CacheLayerMixin):
             cfg.image_tile,
             cfg.text_page_size,
         )
-        sizing = cfg.sizing if owner.retrieval is not None else None
+        sizing = cfg.sizing  # None for fixed pages (dynamic ones need a retrieval method: config.py)
         if sizing is not None:  # OVAL sizing: pages chosen per layer and KV head from the keys
             labels = dynamic_labels(keys, keep, info.modality, info.image_rc, sizing)
             lay = layout_pages(keep, *args, labels=labels)

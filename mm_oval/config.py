@@ -29,6 +29,7 @@ from .registry import (
 EVICTION_SCOPES = ("image", "all")
 READ_SCOPES = ("image", "all")
 PAGE_SIZINGS = ("fixed", "dynamic")
+DYNAMIC_PAGE_KNOBS = ("page_split", "max_page_tokens", "min_page_tokens", "mean_page_tokens")
 HEAD_BUDGETS = ("uniform", "shared")
 RENAMED = {"scope": "eviction_scope", "retrieval_scope": "read_scope"}
 
@@ -79,10 +80,10 @@ class OvalConfig:
     # page_split times the head's key spread, the most spread first, at most one page per mean_page_tokens
     # kept tokens (the summaries' cost of fixed pages that size); generated text goes in text_page_size pages
     page_sizing: str = "fixed"
-    page_split: float = 0.05
-    max_page_tokens: int = 32
-    min_page_tokens: int = 2
-    mean_page_tokens: int = 16
+    page_split: float = PageSizing.split
+    max_page_tokens: int = PageSizing.max_tokens
+    min_page_tokens: int = PageSizing.min_tokens
+    mean_page_tokens: int = PageSizing.mean_tokens
     chunk_size: int = 512
     # the former names of the two scopes: refused with the new ones (not fields: never stored)
     scope: InitVar[Any] = None
@@ -145,9 +146,12 @@ class OvalConfig:
     def _check_page_sizing(self) -> None:
         if self.page_sizing not in PAGE_SIZINGS:
             raise ConfigError(f"page_sizing={self.page_sizing!r} is not one of {PAGE_SIZINGS}")
-        dynamic_knobs = {"page_split": 0.05, "max_page_tokens": 32, "min_page_tokens": 2, "mean_page_tokens": 16}
         if self.page_sizing == "fixed":
-            unused = {k: getattr(self, k) for k, d in dynamic_knobs.items() if getattr(self, k) != d}
+            unused = {
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name in DYNAMIC_PAGE_KNOBS and getattr(self, f.name) != f.default
+            }
             if unused:
                 items = ", ".join(f"{k}={v!r}" for k, v in unused.items())
                 raise ConfigError(f"{items} set with page_sizing='fixed': they size dynamic pages; "
@@ -179,8 +183,13 @@ class OvalConfig:
         """The dynamic page sizing (None for fixed pages)."""
         if self.page_sizing != "dynamic":
             return None
-        return PageSizing(self.page_split, self.max_page_tokens, self.min_page_tokens,
-                          min(4, self.max_page_tokens), self.mean_page_tokens)  # fmt: skip
+        return PageSizing(
+            split=self.page_split,
+            max_tokens=self.max_page_tokens,
+            min_tokens=self.min_page_tokens,
+            min_text_tokens=min(PageSizing.min_text_tokens, self.max_page_tokens),
+            mean_tokens=self.mean_page_tokens,
+        )
 
     @property
     def max_page_len(self) -> int:
