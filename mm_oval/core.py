@@ -224,6 +224,22 @@ def fill_by_score(scores: torch.Tensor, eligible: torch.Tensor, page_bytes: torc
     return chosen & eligible
 
 
+def select_by_score(
+    scores: torch.Tensor, candidates: torch.Tensor, read_budget: float | torch.Tensor | BytesBudget
+) -> torch.Tensor:
+    """The candidate pages a read budget reads, best scores first: scores/candidates (B, Hkv, P), the budget a
+    fraction of the candidates (rounded up), a (B, Hkv) long tensor of page counts, or a `BytesBudget`
+    (`fill_by_score`) -> (B, Hkv, P) bool. `RetrievalPolicy.select`'s rule."""
+    if isinstance(read_budget, BytesBudget):
+        return fill_by_score(scores, candidates, read_budget.page_bytes, read_budget.left)
+    n = candidates.sum(-1)
+    if isinstance(read_budget, torch.Tensor):
+        k = read_budget.clamp(min=0).minimum(n)
+    else:
+        k = budget_count(float(read_budget), n)  # (B, Hkv)
+    return topk_mask(scores, candidates, k)
+
+
 def topk_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Per row, True for the `k` highest scores among `eligible` entries (ties: lower index first).
     scores/eligible (..., N), k (...) long."""

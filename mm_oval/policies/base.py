@@ -36,6 +36,7 @@ from ..core import (  # noqa: F401
     StepState,
     budget_count,
     fill_by_score,
+    select_by_score,
     topk_mask,
 )
 from ..registry import (  # noqa: F401
@@ -126,14 +127,7 @@ class RetrievalPolicy:
         candidates, a (B, Hkv) long tensor of page counts, or a `BytesBudget` (what the cache makes of a
         bytes budget: the best-scoring pages while their bytes fit, so small pages are not charged as
         large ones)."""
-        if isinstance(read_budget, BytesBudget):
-            return fill_by_score(self.score_pages(ctx), ctx.candidates, read_budget.page_bytes, read_budget.left)
-        n = ctx.candidates.sum(-1)
-        if isinstance(read_budget, torch.Tensor):
-            k = read_budget.clamp(min=0).minimum(n)
-        else:
-            k = budget_count(float(read_budget), n)  # (B, Hkv)
-        return topk_mask(self.score_pages(ctx), ctx.candidates, k)
+        return select_by_score(self.score_pages(ctx), ctx.candidates, read_budget)
 
     def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
         """(B, Hkv, P) long: the bytes of each page's summary that scoring it reads, per KV head (the

@@ -245,15 +245,26 @@ class HybridRouter(nn.Module):
 # saving and loading
 
 
-def save_router(router: HybridRouter, out_dir: str | Path) -> Path:
-    """Write router.safetensors and router.json into out_dir (each atomically)."""
-
+def save_weights_dir(
+    net: nn.Module,
+    out_dir: str | Path,
+    fmt: str,
+    config_file: str = CONFIG_FILE,
+    weights_file: str = WEIGHTS_FILE,
+) -> Path:
+    """Write a learned router's weights (safetensors) and its config (JSON, `{"format": fmt, ...}`) into
+    out_dir, each atomically: what `load_weights_dir` reads."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()}
-    atomic_write_bytes(out / WEIGHTS_FILE, save(state))
-    atomic_write_json(out / CONFIG_FILE, {"format": "mm-oval-router-1", **asdict(router.config)})
+    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    atomic_write_bytes(out / weights_file, save(state))
+    atomic_write_json(out / config_file, {"format": fmt, **asdict(net.config)})
     return out
+
+
+def save_router(router: HybridRouter, out_dir: str | Path) -> Path:
+    """Write router.safetensors and router.json into out_dir (each atomically)."""
+    return save_weights_dir(router, out_dir, "mm-oval-router-1")
 
 
 def load_weights_dir(

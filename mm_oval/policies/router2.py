@@ -33,30 +33,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import save
 from torch import nn
 
 from ..errors import ConfigError, ModelError
-from ..files import atomic_write_bytes, atomic_write_json
 from .base import (
     IMAGE,
     BytesBudget,
     DecodeContext,
     PageBatch,
     RetrievalPolicy,
-    budget_count,
-    fill_by_score,
     make_retrieval,
     register_retrieval,
-    topk_mask,
+    select_by_score,
 )
-from .router import LoRALinear, check_signature, load_weights_dir
+from .router import LoRALinear, check_signature, load_weights_dir, save_weights_dir
 
 WEIGHTS_FILE = "router2.safetensors"
 CONFIG_FILE = "router2.json"
@@ -226,12 +222,7 @@ class Router2Net(nn.Module):
 
 def save_router2(net: Router2Net, out_dir: str | Path) -> Path:
     """Write router2.safetensors and router2.json into out_dir (each atomically)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-    atomic_write_bytes(out / WEIGHTS_FILE, save(state))
-    atomic_write_json(out / CONFIG_FILE, {"format": "mm-oval-router2-1", **asdict(net.config)})
-    return out
+    return save_weights_dir(net, out_dir, "mm-oval-router2-1", CONFIG_FILE, WEIGHTS_FILE)
 
 
 def load_router2(path: str | Path, model: Any = None) -> Router2Net:
@@ -440,12 +431,9 @@ class Router2Retrieval(RetrievalPolicy):
 
     def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor | BytesBudget) -> torch.Tensor:
         scores = self.score_pages(ctx)
-        if isinstance(read_budget, BytesBudget):  # the best pages while their bytes fit, as the base class
-            chosen = fill_by_score(scores, ctx.candidates, read_budget.page_bytes, read_budget.left)
-        else:
-            chosen = topk_mask(scores, ctx.candidates, _pages_for(ctx.candidates, read_budget))
+        chosen = select_by_score(scores, ctx.candidates, read_budget)
         if self.net is not None and self.net.config.gcn:  # what the co-read graph of later steps holds
-            read = topk_mask(scores, ctx.candidates, _pages_for(ctx.candidates, self.gcn_budget))
+            read = select_by_score(scores, ctx.candidates, self.gcn_budget)
             h = torch.cat([self._gcn_history(ctx), read.unsqueeze(-2)], -2)
             self._history.put(ctx, h[..., -self.net.config.gcn_window :, :])
         return chosen
@@ -453,14 +441,6 @@ class Router2Retrieval(RetrievalPolicy):
     def state_tensors(self) -> list[torch.Tensor]:
         """The router's weights and the base scorer's own state."""
         return [*(self.net.parameters() if self.net is not None else []), *self.base.state_tensors()]
-
-
-def _pages_for(candidates: torch.Tensor, read_budget: float | torch.Tensor) -> torch.Tensor:
-    """(B, Hkv) long: the pages a read budget allows, by `RetrievalPolicy.select`'s rule."""
-    n = candidates.sum(-1)
-    if isinstance(read_budget, torch.Tensor):
-        return read_budget.clamp(min=0).minimum(n)
-    return budget_count(float(read_budget), n)
 
 
 def pool_token_embeddings(tok: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
@@ -492,7 +472,7 @@ def predict_ahead_hit_rate(
                 scores = policy.score_pages(c)
             finally:
                 policy.predict_ahead = mode
-            return topk_mask(scores, c.candidates, _pages_for(c.candidates, read_budget))
+            return select_by_score(scores, c.candidates, read_budget)
         return policy.select(c, read_budget)
 
     exact = pick(ctx)
