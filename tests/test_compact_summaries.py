@@ -330,3 +330,26 @@ def test_reading_every_page_with_compact_records_equals_the_unwrapped_model(
         assert wrapped.generate(**inputs, max_new_tokens=4, do_sample=False).tolist() == plain.tolist()
     finally:
         mm_oval.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quest_float_bounds_are_the_keys_min_and_max_in_the_keys_dtype(dtype):
+    """Quest's float record is stored as its authors store it, in the keys' dtype: 2 D values per page of
+    that dtype (half of fp32 on an fp16 / bf16 model), and exactly the keys' channel-wise min and max."""
+    from mm_oval.policies.base import PageBatch
+
+    g = torch.Generator().manual_seed(3)
+    keys = (torch.randn(1, 2, 4, 8, D, generator=g) * 3).to(dtype)
+    mask = (torch.arange(8) < torch.tensor([8, 3, 1, 5]).view(4, 1)).expand(1, 2, 4, 8)
+    batch = PageBatch(
+        layer_idx=0, keys=keys, values=keys, mask=mask, kind=torch.zeros(1, 2, 4, dtype=torch.int8), first_page=0,
+        module=None,
+    )  # fmt: skip
+    pol = make_retrieval("quest")
+    sm = pol.summarize(batch)
+    assert sm["kmin"].dtype == dtype and sm["kmax"].dtype == dtype
+    m = mask.unsqueeze(-1)
+    assert torch.equal(sm["kmin"], keys.masked_fill(~m, float("inf")).amin(-2))
+    assert torch.equal(sm["kmax"], keys.masked_fill(~m, float("-inf")).amax(-2))
+    plen = mask.sum(-1)
+    assert (pol.summary_bytes(sm, plen) == 2 * D * keys.element_size()).all()

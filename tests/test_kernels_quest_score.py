@@ -70,3 +70,30 @@ def test_mismatched_bounds_are_config_errors():
         page_score_quest(q, kmin, kmax[..., :8], lengths)
     with pytest.raises(ConfigError, match="page_len must be"):
         page_score_quest(q, kmin, kmax, lengths[..., :2])
+
+
+def test_the_reference_is_the_elementwise_bound():
+    """The reference computes sum_c max(q_c kmin_c, q_c kmax_c) as two products over the pages (q's
+    positive part with kmax, its negative part with kmin): the same numbers as the element-wise maximum."""
+    B, Hkv, G, D, P, T = 2, 3, 2, 64, 40, 8
+    q, kmin, kmax, lengths, _ = page_summaries(B, Hkv, G, D, P, T, seed=11)
+    raw = page_raw_quest_naive(q, kmin, kmax, lengths, scale=0.5)
+    qf = q.view(B, Hkv, G, 1, D)
+    want = torch.maximum(qf * kmin[:, :, None], qf * kmax[:, :, None]).sum(-1) * 0.5
+    want = want.masked_fill((lengths <= 0)[:, :, None], float("-inf"))
+    torch.testing.assert_close(raw, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["naive", "triton"])
+def test_a_page_scale_scores_the_scaled_bounds(backend, monkeypatch):
+    """Int8 levels with one scale per page (a compact record) score what their dequantised bounds score,
+    on the reference and on the Triton path."""
+    monkeypatch.setenv("MM_OVAL_KERNELS", "torch" if backend == "naive" else "triton")
+    q, kmin, kmax, lengths, _ = page_summaries(1, 2, 4, 32, 12, 8, seed=13)
+    s = torch.maximum(kmin.abs(), kmax.abs()).amax(-1).clamp_min(1e-3) / 100  # levels within int8
+    lo, hi = torch.floor(kmin / s[..., None]), torch.ceil(kmax / s[..., None])
+    got = page_score_quest(q, lo.to(torch.int8), hi.to(torch.int8), lengths, 0.2, s.half())
+    want = page_score_quest(q, lo * s.half().float()[..., None], hi * s.half().float()[..., None], lengths, 0.2)
+    f = lengths > 0
+    torch.testing.assert_close(got[f], want[f], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isinf(got), ~f)

@@ -17,11 +17,18 @@ def page_score_quest(
     kmax: torch.Tensor,
     page_len: torch.Tensor,
     scale: float | None = None,
+    page_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quest bound page scores, GQA-combined: (B, Hkv, P) fp32, -inf for empty pages.
-    q (B, Hq, D), kmin and kmax (B, Hkv, P, D)."""
+    q (B, Hq, D), kmin and kmax (B, Hkv, P, D); with `page_scale` (B, Hkv, P) >= 0, the bounds are
+    kmin * page_scale and kmax * page_scale (a compact record's int8 levels and their per-page scale)."""
     what = "page_score_quest"
     check_page_scores(q, kmin, page_len, what)
     check(kmax.shape == kmin.shape, f"{what}: kmin and kmax must both be (B, Hkv, P, D)")
-    fn = page_score_quest_triton if backend(q, kmin) == "triton" else naive.page_score_quest_naive
-    return fn(q, kmin, kmax, page_len, scale)
+    check(page_scale is None or page_scale.shape == page_len.shape, f"{what}: page_scale must be (B, Hkv, P)")
+    if backend(q, kmin) == "triton":
+        if page_scale is not None:
+            s = page_scale.float().unsqueeze(-1)
+            kmin, kmax = kmin.float() * s, kmax.float() * s
+        return page_score_quest_triton(q, kmin, kmax, page_len, scale)
+    return naive.page_score_quest_naive(q, kmin, kmax, page_len, scale, page_scale)

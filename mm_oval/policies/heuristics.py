@@ -26,7 +26,7 @@ from .base import (
     register_eviction,
     register_retrieval,
 )
-from .page_summaries import check_summary_format, compact_key_bounds, expand_key_bounds, key_bounds
+from .page_summaries import check_summary_format, compact_key_bounds, key_bounds
 
 # ---- attention rows, chunked ----------------------------------------------------------------------
 
@@ -257,8 +257,9 @@ class Quest(RetrievalPolicy):
     """Quest (Tang et al. 2024): per page and channel, the min and max key; a page's score for query q is
     the upper bound `scale * sum_c max(q_c min_c, q_c max_c)`; the query heads of a KV head are combined
     as log(mean_g softmax_pages(score_g)). Both are the page_score_quest kernel's (mm_oval.kernels).
-    Option summary_format: "float" (fp32 min / max) or "compact" (int8 with one fp16 scale per page, rounded
-    outward so the score stays an upper bound: page_summaries.compact_key_bounds)."""
+    Option summary_format: "float" (min / max in the keys' dtype, as its authors store them: the min and max
+    of keys are keys' values, so exact) or "compact" (int8 with one fp16 scale per page, rounded outward so
+    the score stays an upper bound: page_summaries.compact_key_bounds)."""
 
     name = "quest"
     summary_format: str = "float"
@@ -270,12 +271,11 @@ class Quest(RetrievalPolicy):
         kmin, kmax = key_bounds(pages.keys, pages.mask)
         if self.summary_format == "compact":
             return compact_key_bounds(kmin, kmax)
-        return {"kmin": kmin, "kmax": kmax}
+        return {"kmin": kmin.to(pages.keys.dtype), "kmax": kmax.to(pages.keys.dtype)}
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         q = ctx.query[:, :, -1]  # (B, Hq, D): the newest query row
-        if self.summary_format == "compact":  # dequantised here; a fused dequantising kernel is future work
-            kmin, kmax = expand_key_bounds(ctx.summaries)
-        else:
-            kmin, kmax = ctx.summaries["kmin"], ctx.summaries["kmax"]
-        return page_score_quest(q, kmin, kmax, ctx.page_len, ctx.scaling)
+        if self.summary_format == "compact":  # the int8 levels, scaled per page after the product
+            r = ctx.summaries
+            return page_score_quest(q, r["kmin_q"], r["kmax_q"], ctx.page_len, ctx.scaling, r["bound_scale"])
+        return page_score_quest(q, ctx.summaries["kmin"], ctx.summaries["kmax"], ctx.page_len, ctx.scaling)

@@ -163,7 +163,8 @@ def layer_output_metric(module, cache: dict) -> torch.Tensor:
 
 
 def key_bounds(keys: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quest's summary: the per-channel minimum and maximum of each page's keys, in fp32.
+    """Quest's summary: the per-channel minimum and maximum of each page's keys, in fp32 (exactly the
+    keys' values: the Quest policy stores them in the keys' dtype).
     keys (..., P, T, D), token_mask (..., P, T) -> kmin, kmax (..., P, D); 0 for pages without tokens."""
     m = token_mask.unsqueeze(-1)
     k = keys.float()
