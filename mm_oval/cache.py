@@ -79,6 +79,9 @@ SUMMARY_TEMP_SHARE = 0.25
 
 # what a decode step reads, the rows of `PagedLayer._read_t` (see mm_oval.stats, `bytes_read`)
 READ_KINDS = ("summaries", "selected", "always_read", "dense")
+# off the kernel path, a decode step whose KV heads read at most this share of the slots attends over the
+# read slots gathered (PagedLayer._attend_gathered) rather than over every slot with a mask
+GATHER_SHARE = 0.5
 
 
 def kv_bytes_per_token(keys: torch.Tensor) -> int:
@@ -682,6 +685,13 @@ class PagedLayer(CacheLayerMixin):
         mask = self.read_mask(query, scaling)  # (B, H, q, L) or None
         # GQA without repeating keys: the G query heads of a KV head become G * q rows
         qg = query.reshape(B, H, G * q, D)
+        if q == 1 and mask is not None and self.owner.retrieval is not None:
+            read = mask[:, :, 0]
+            count = read.sum(-1)  # (B, H)
+            width = int(count.max())
+            if width <= GATHER_SHARE * read.shape[-1]:  # a sparse step: attend over the slots read only
+                out = self._attend_gathered(qg, read, count, width, scaling)
+                return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
         mg = (
             None
             if mask is None
@@ -689,6 +699,35 @@ class PagedLayer(CacheLayerMixin):
         )
         out = F.scaled_dot_product_attention(qg, self.keys, self.values, attn_mask=mg, scale=scaling)
         return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
+
+
+    def _attend_gathered(
+        self, qg: torch.Tensor, read: torch.Tensor, count: torch.Tensor, width: int, scaling: float
+    ) -> torch.Tensor:
+        """SDPA of `qg` (B, H, G, D) over the slots `read` (B, H, L) bool only: each KV head's read slots,
+        in slot order, gathered into (B, H, width, D) in the storage dtype (`count` (B, H) per head; the
+        rows past a head's count masked). The same attention as the masked SDPA over every slot; a decode
+        step that reads a small share of the cache moves only that share (off the kernel path). The
+        gathered keys and values go to a buffer the cache's layers share (`PagedMultimodalCache.scratch`):
+        at most GATHER_SHARE of one layer's KV, allocated once rather than at every step and layer."""
+        B, H, L = read.shape
+        D = self.keys.shape[-1]
+        dev = read.device
+        flat = read.reshape(-1).nonzero().squeeze(1)  # the read slots of every head, head after head
+        head = flat // L
+        first = (count.reshape(-1).cumsum(0) - count.reshape(-1))[head]  # where its head's run begins
+        # rows of the storage (B, H, capacity, D), which `keys` views: flat without a copy
+        cap = self._k.shape[2]
+        rows = torch.zeros(B * H * width, dtype=torch.long, device=dev)  # padding rows read slot 0
+        rows[head * width + torch.arange(flat.numel(), device=dev) - first] = flat + head * (cap - L)
+        buf = self.owner.scratch(2 * B * H * width * D, self._k.dtype, dev).view(2, B * H * width, D)
+        # rows copied as 8-byte words where they divide evenly (index_select is faster on fewer, wider items)
+        word = torch.int64 if (D * self._k.element_size()) % 8 == 0 else self._k.dtype
+        for store, out in ((self._k, buf[0]), (self._v, buf[1])):
+            torch.index_select(store.reshape(B * H * cap, D).view(word), 0, rows, out=out.view(word))
+        k, v = buf[0].view(B, H, width, D), buf[1].view(B, H, width, D)
+        valid = (torch.arange(width, device=dev) < count[..., None]).unsqueeze(2)  # (B, H, 1, width)
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=valid, scale=scaling)
 
 
 class PagedMultimodalCache(Cache):
@@ -721,9 +760,18 @@ class PagedMultimodalCache(Cache):
         # always-read pages alone exceed the bytes budget (they read no optional page)
         self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0, "read_over_budget": 0}
         self.kernels: bool | None = None  # decode through mm_oval.kernels; None = on CUDA only
+        self._scratch: torch.Tensor | None = None  # PagedLayer._attend_gathered's buffer
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
         # retrieval against exact attention, per decode step and layer (stats' retrieval_monitor)
         self.monitor = RetrievalMonitor() if config.monitor_retrieval else None
+
+    def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least `numel` entries, shared by the layers' decode steps (one layer at a
+        time uses it) and grown when a step needs more; what it holds does not outlive the step."""
+        buf = self._scratch
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._scratch = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
     def use_kernels(self, query: torch.Tensor) -> bool:
         return query.is_cuda if self.kernels is None else self.kernels

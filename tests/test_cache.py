@@ -432,6 +432,53 @@ def test_the_kernel_decode_path_equals_the_sdpa_path(model_and_processor, read_b
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model_and_processor, monkeypatch, dtype):
+    """Off the kernel path, a decode step that reads a small share of the cache attends over the slots it
+    reads gathered (what makes it cheaper than dense on CPU), and gets what SDPA over every slot with the
+    per-head mask gets; a step that reads most of the cache (here: all of it) keeps the masked SDPA."""
+    import mm_oval.cache as cache_mod
+
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    mm_oval.wrap(model, retrieval="quest", read_budget=0.25, text_page_size=4)
+    cache = prefill(model, **inputs)
+    cache.kernels = False
+    gathered = []
+    real = cache_mod.PagedLayer._attend_gathered
+    monkeypatch.setattr(
+        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[3]) or real(self, *a)
+    )
+    for layer in cache.layers:
+        B, H, _, D = layer.keys.shape
+        layer._k, layer._v = layer._k.to(dtype), layer._v.to(dtype)
+        layer._set_views()
+        for _ in range(5):
+            layer.update(torch.randn(B, H, 1, D, dtype=dtype), torch.randn(B, H, 1, D, dtype=dtype))
+        q = torch.randn(B, 2 * H, 1, D, dtype=dtype)
+        n = len(gathered)
+        monkeypatch.setattr(cache_mod, "GATHER_SHARE", 1.0)  # gather whatever the share read
+        got = layer.attend(q, D**-0.5)
+        assert len(gathered) == n + 1 and gathered[-1] < layer.keys.shape[2]  # gathered, fewer slots
+        monkeypatch.setattr(cache_mod, "GATHER_SHARE", 0.0)
+        want = layer.attend(q, D**-0.5)  # the masked SDPA over every slot
+        assert len(gathered) == n + 1
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    monkeypatch.undo()
+    mm_oval.wrap(model, retrieval="quest", read_budget=1.0, text_page_size=4)
+    cache = prefill(model, **inputs)
+    cache.kernels = False
+    monkeypatch.setattr(
+        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[3]) or real(self, *a)
+    )
+    layer = cache.layers[0]
+    B, H, _, D = layer.keys.shape
+    n = len(gathered)
+    layer.attend(torch.randn(B, 2 * H, 1, D), D**-0.5)
+    assert len(gathered) == n  # reading every page: the masked SDPA
+
+
 def test_storage_grows_in_place_during_long_decodes(model_and_processor):
     """Decode writes into preallocated room that doubles when full; what attention reads is unchanged."""
     model, processor = model_and_processor

@@ -1,0 +1,129 @@
+"""Decode step time at LLaVA-1.5-7B's width: the wrapped full cache against retrieval at a bytes budget
+(and eviction), measured side by side in one run.
+
+    python benchmarks/bench_decode.py                  # 7B width, 2 layers, 4 images x batch 4, bf16, CPU
+    python benchmarks/bench_decode.py --batch 1 --out decode.json
+    python benchmarks/bench_decode.py --small          # the tiny shapes (seconds; what the tests run)
+
+The model is bench_memory's: a random LLaVA whose language model has LLaVA-1.5-7B's layer shape (hidden
+4096, 32 heads = 32 KV heads of dim 128, MLP 11008) but `--layers` layers (2), LLaVA-1.5's 576 image tokens
+per image and `--images` images (4) per prompt, `--batch` prompts. Each configuration prefills the prompt
+once into its own cache; then the configurations take turns, one decode step each per round, for `--steps`
+rounds (after `--warmup` rounds), so that the machine's load falls on all of them alike. Per configuration:
+the median decode step (the whole forward: every layer, the LM head, page scoring and selection), its
+ratio to the wrapped full cache's median in the same run, and the bytes its decode steps read (summaries
+scanned + KV of the selected and always-read pages) over dense attention's, from `mm_oval.stats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_memory import sizes  # noqa: E402
+
+import mm_oval  # noqa: E402
+from mm_oval.config import OvalConfig  # noqa: E402
+from mm_oval.files import atomic_write_json  # noqa: E402
+from mm_oval.stats import cache_stats  # noqa: E402
+from mm_oval.wrapper import prefill  # noqa: E402
+from mm_oval.zoo.model import build_tiny_llava  # noqa: E402
+
+R = "read_bytes_budget=0.25,image_tile=4"
+DEFAULT_METHODS = (
+    "full",
+    "snapkv:budget=0.25",
+    f"quest:{R},summary_format=compact",
+    f"quest:{R}",
+    f"oval:{R},summary_format=compact",
+)
+
+
+def build(args: argparse.Namespace):
+    model, processor = build_tiny_llava(seed=0, sizes=sizes(args.small, args.layers))
+    dtype = getattr(torch, args.dtype)
+    model = model.to(dtype=dtype).eval()
+    side = model.config.vision_config.image_size
+    g = torch.Generator().manual_seed(0)
+    images = [
+        [Image.fromarray((torch.rand(side, side, 3, generator=g) * 255).to(torch.uint8).numpy())
+         for _ in range(args.images)]
+        for _ in range(args.batch)
+    ]  # fmt: skip
+    prompt = "USER: " + "<image>\n" * args.images + "what color is the circle ? ASSISTANT:"
+    inputs = processor(images=images, text=[prompt] * args.batch, return_tensors="pt", padding=True)
+    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    return model, inputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="the tiny model's shapes instead of 7B width")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--images", type=int, default=4, help="images per prompt (576 tokens each at 7B width)")
+    ap.add_argument("--layers", type=int, default=2, help="language-model layers")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch (1 is the most stable)")
+    ap.add_argument("--steps", type=int, default=24, help="timed decode rounds (one step per configuration)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    ap.add_argument(
+        "--methods", nargs="+", default=list(DEFAULT_METHODS),
+        help="method specs (OvalConfig.from_spec); 'full' = the wrapped full cache, the reference",
+    )  # fmt: skip
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if "full" not in args.methods:
+        ap.error("--methods must include 'full' (the ratios are against it)")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
+    torch.set_num_threads(args.threads)
+    model, inputs = build(args)
+    caches = {}
+    for spec in args.methods:  # each configuration's own prefill and cache
+        mm_oval.wrap(model, OvalConfig.from_spec(spec))
+        caches[spec] = prefill(model, **inputs)
+    token = inputs["input_ids"][:, -1:]
+    masks = {spec: inputs["attention_mask"] for spec in args.methods}
+    times: dict[str, list[float]] = {spec: [] for spec in args.methods}
+    with torch.no_grad():
+        for i in range(args.warmup + args.steps):
+            for spec, cache in caches.items():
+                masks[spec] = torch.cat([masks[spec], masks[spec][:, -1:]], dim=1)
+                t0 = time.perf_counter()
+                model(input_ids=token, attention_mask=masks[spec], cache=cache, use_cache=True)
+                if i >= args.warmup:
+                    times[spec].append(time.perf_counter() - t0)
+    ref = statistics.median(times["full"])
+    n_prompt = int(inputs["input_ids"].shape[1])
+    shape = "tiny" if args.small else "LLaVA-1.5-7B width"
+    print(
+        f"decode step, {shape}, {args.layers} layers, {args.images} images x batch {args.batch} "
+        f"({n_prompt} prompt tokens), {args.dtype}, {args.threads} thread(s), median of {args.steps} steps"
+    )
+    print(f"{'method':<58} {'ms/step':>9} {'vs full':>8} {'read vs dense':>14}")
+    rows = []
+    for spec in args.methods:
+        med = statistics.median(times[spec])
+        read = cache_stats(caches[spec]).get("bytes_read", {}).get("read_vs_dense")
+        rows.append({"method": spec, "ms_per_step": 1000 * med, "vs_full": med / ref, "read_vs_dense": read,
+                     "steps_ms": [1000 * t for t in times[spec]]})  # fmt: skip
+        shown = "-" if read is None else f"{read:.3f}x"
+        print(f"{spec:<58} {1000 * med:>9.1f} {med / ref:>7.3f}x {shown:>14}")
+    if args.out:
+        atomic_write_json(
+            args.out,
+            {"shape": shape, "layers": args.layers, "images": args.images, "batch": args.batch,
+             "prompt_tokens": n_prompt, "dtype": args.dtype, "threads": args.threads, "rows": rows},
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
