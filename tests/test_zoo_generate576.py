@@ -32,6 +32,7 @@ from mm_oval.zoo.generate576 import (
     image_name,
     make_questions576,
     q_list,
+    question_region,
     scene_from_record,
 )
 from mm_oval.zoo.model import build_tokenizer
@@ -434,6 +435,33 @@ def test_regions_holding_two_centres_are_never_named():
             assert distractor_hint(scene, about_red, rng) == "the cross in row 4 column 4 is green ."
     about_green = make_questions576(scene, random.Random(0))["color at position"]
     assert distractor_hint(scene, about_green, random.Random(0)) == ""  # no other object is alone
+
+
+def test_question_region_frames_the_patches_of_the_region_a_question_names():
+    """The frame drawn for a "row R column C" question is the 4x4-patch block of the 24x24 grid that holds
+    the centre of the object the generator placed there (the answer's object)."""
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(20):
+        scene = make_scene(rng)
+        q = make_questions576(scene, rng).get("color at position")
+        if q is None:
+            continue
+        top, left, bottom, right = question_region(q.text)
+        assert (bottom - top, right - left) == (4, 4)
+        obj = next(o for o in scene.objects if o.color == q.answer and o.region == (top // 4, left // 4))
+        assert top <= obj.cy < bottom and left <= obj.cx < right
+        checked += 1
+    assert checked >= 10
+    assert question_region("what color is the object in row 1 column 6 ?") == (0, 20, 4, 24)
+    assert question_region("what color is the square ?") is None
+    # one region per patch on the 64-token scenes; other grids cut at floor(k * side / regions)
+    assert question_region("... row 2 column 3 ?", grid=(8, 8), regions=8) == (1, 2, 2, 3)
+    assert question_region("... row 6 column 1 ?", grid=(8, 10)) == (6, 0, 8, 1)
+    with pytest.raises(ConfigError, match="outside the 6x6 regions"):
+        question_region("what color is the object in row 7 column 1 ?")
+    with pytest.raises(ConfigError, match="regions between 1 and 4"):
+        question_region("row 1 column 1", grid=(4, 4))
 
 
 # ------------------------------------------------------------------------------------------------

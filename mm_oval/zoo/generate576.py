@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,36 @@ def alone_in_region(scene: Scene) -> list[Obj]:
 def region_words(o: Obj) -> str:
     r, c = o.region
     return f"row {r + 1} column {c + 1}"
+
+
+_REGION_WORDS = re.compile(r"\brow (\d+) column (\d+)\b")
+
+
+def question_region(
+    question: str, grid: tuple[int, int] = (GRID, GRID), regions: int = REGIONS
+) -> tuple[int, int, int, int] | None:
+    """The patches of the region a question names in `region_words`' words ("... in row R column C ?",
+    1-based, row 1 at the top), on a grid of `grid` (rows, cols) patches cut into `regions` x `regions`
+    regions: (top, left, bottom, right) in patches, bottom and right exclusive. On the bundled 576-token
+    scenes a region is 4x4 patches of the 24x24 grid; with as many regions as patches per side (the
+    64-token scenes: 8) it is one patch; other grids are cut at floor(k * side / regions). None when the
+    question names no region; a ConfigError when R or C is not in 1..regions."""
+    rows, cols = grid
+    if regions < 1 or rows < regions or cols < regions:
+        raise ConfigError(
+            f"a grid of {rows}x{cols} patches cannot be cut into {regions}x{regions} regions: "
+            f"pass regions between 1 and {min(rows, cols)}"
+        )
+    found = _REGION_WORDS.search(question)
+    if found is None:
+        return None
+    r, c = int(found[1]) - 1, int(found[2]) - 1
+    if not (0 <= r < regions and 0 <= c < regions):
+        raise ConfigError(
+            f"the question {question!r} names row {r + 1} column {c + 1}, outside the {regions}x{regions} "
+            f"regions (1..{regions}); pass the number of regions per side its scenes use as regions="
+        )
+    return (r * rows // regions, c * cols // regions, (r + 1) * rows // regions, (c + 1) * cols // regions)
 
 
 def nearest_other(scene: Scene, obj: Obj) -> Obj | None:
