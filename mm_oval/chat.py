@@ -47,6 +47,8 @@ class Turn:
     answer: str
     new_tokens: int  # tokens generated for the answer (end of sequence included)
     prompt_tokens: int  # tokens fed to the model for this turn (the whole first prompt, then the new ones)
+    # the answer as generated: its first token comes from the prefill, each later one from a decode step
+    token_ids: tuple[int, ...] = ()
 
 
 class _ReadRecorder:
@@ -59,6 +61,7 @@ class _ReadRecorder:
         self.grid: tuple[int, int, int] = (1, 1, 1)  # (images, rows, cols), set by the Chat
         self.counts: dict[int, torch.Tensor] = {}  # layer -> (Hkv, grids, rows, cols) steps read
         self.steps: dict[int, int] = {}  # layer -> decode steps seen
+        self.per_step: dict[int, list[torch.Tensor]] | None = None  # layer -> each step's reads, when kept
 
     def __getattr__(self, name: str) -> Any:  # everything else is the policy's own
         if name == "inner":  # not set yet (copying): no recursion
@@ -102,6 +105,10 @@ class _ReadRecorder:
             torch.ones(int(sel.sum()), dtype=torch.long, device=read.device),
             accumulate=True,
         )
+        if self.per_step is not None:
+            hit = torch.zeros(counts.shape, dtype=torch.bool, device=read.device)
+            hit[h[sel], rc[..., 0][sel], rc[..., 1][sel], rc[..., 2][sel]] = True
+            self.per_step.setdefault(ctx.layer_idx, []).append(hit)
         self.steps[ctx.layer_idx] = self.steps.get(ctx.layer_idx, 0) + 1
 
 
@@ -131,7 +138,8 @@ class Chat:
     the images and the question and compresses the cache once; later questions reuse it. The model is
     wrapped for the duration of each `ask` and unwrapped afterwards unless it was wrapped already, so
     several `Chat`s (e.g. full cache and compressed) can share one model. `record_reads=True` records
-    which image patches decode-time retrieval read (`page_reads`)."""
+    which image patches decode-time retrieval read (`page_reads`); `record_steps=True` also keeps what
+    each decode step read (`page_reads_per_step`)."""
 
     def __init__(
         self,
@@ -145,6 +153,7 @@ class Chat:
         config: OvalConfig | None = None,
         max_new_tokens: int = 32,
         record_reads: bool = False,
+        record_steps: bool = False,
     ):
         _language_model(model)  # a clear error for a model that is not LLaVA-style
         if image is not None and images is not None:
@@ -157,7 +166,8 @@ class Chat:
         self.processor = processor
         self.config = config if config is not None else OvalConfig.from_spec(method, budget)
         self.max_new_tokens = max_new_tokens
-        self.record_reads = record_reads
+        self.record_reads = record_reads or record_steps
+        self.record_steps = record_steps
         self.tokens_per_image = tokens_per_view(model)
         state = getattr(model, "_mm_oval", None)
         if state is not None and state.config == self.config:
@@ -222,7 +232,7 @@ class Chat:
         new = seq[:, n_in:]
         answer = tok.decode(new[0], skip_special_tokens=True).strip()
         fed = n_in - before
-        self.turns.append(Turn(question, answer, int(new.shape[1]), fed))
+        self.turns.append(Turn(question, answer, int(new.shape[1]), fed, tuple(new[0].tolist())))
         return answer
 
     def _room_for_answer(self, n_in: int) -> int:
@@ -318,6 +328,28 @@ class Chat:
                 out.append(counts[:, image, :rows, :cols].float().cpu() / steps)
         return torch.stack(out)
 
+    def page_reads_per_step(self, image: int = 0) -> torch.Tensor:
+        """(decode steps, layers, KV heads, rows, cols) bool: at each decode step so far, the kept patches of
+        image `image` whose page that head read (the selected pages plus those always read); its mean over
+        the steps is `page_reads`. Decode step s reads with the answer's token s as the query and writes
+        token s + 1 (`turns[-1].token_ids`; the first token comes from the prefill). Needs
+        `record_steps=True` and a retrieval method."""
+        self._require_cache()
+        if self._recorder is None or self._recorder.per_step is None:
+            raise ConfigError(
+                "the page reads of each decode step were not recorded: create the Chat with record_steps=True "
+                "and a retrieval method (e.g. method='full:retrieval=oval,read_budget=0.25')"
+            )
+        rows, cols = self._grid_shape(image)
+        steps = self.decode_steps
+        out = []
+        for i, layer in enumerate(self._cache.layers):
+            grid = torch.zeros(steps, layer.keys.shape[1], rows, cols, dtype=torch.bool)
+            for s, hit in enumerate(self._recorder.per_step.get(i, [])):
+                grid[s] = hit[:, image, :rows, :cols].cpu()
+            out.append(grid)
+        return torch.stack(out, 1)
+
     @property
     def decode_steps(self) -> int:
         """Decode steps whose page reads were recorded (per layer)."""
@@ -346,6 +378,8 @@ class Chat:
         retrieval = self._retrieval
         if retrieval is not None and self.record_reads:
             retrieval = self._recorder = _ReadRecorder(retrieval)
+            if self.record_steps:
+                self._recorder.per_step = {}
             if family_of(self.model) == FIXED:
                 self._recorder.grid = self.grid
         cache = PagedMultimodalCache(self.model.config.text_config, self.config, self._eviction, retrieval)

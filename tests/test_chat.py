@@ -153,6 +153,38 @@ def test_page_reads_match_the_pages_retrieval_read(tiny_random_llava):
         plain.page_reads()
 
 
+def test_page_reads_per_step_are_what_each_decode_step_read(tiny_random_llava):
+    """Each decode step's reads: as many steps as the answers' tokens after the first, at each step
+    ceil(25%) of every head's candidate pages, and their mean over the steps is `page_reads`."""
+    model, processor = tiny_random_llava
+    spec = "full:retrieval=quest,read_budget=0.25"
+    chat = Chat(model, processor, _scene(), method=spec, max_new_tokens=6, record_steps=True)
+    chat.ask(QUESTIONS[0])
+    first = chat.turns[0]
+    assert len(first.token_ids) == first.new_tokens
+    assert processor.tokenizer.decode(list(first.token_ids), skip_special_tokens=True).strip() == first.answer
+    chat.ask(QUESTIONS[1])  # a later turn: its prompt is one more step
+    steps = chat.page_reads_per_step()
+    n_layers = model.config.text_config.num_hidden_layers
+    assert steps.dtype == torch.bool and steps.shape == (chat.decode_steps, n_layers, 2, 8, 8)
+    assert chat.decode_steps == sum(t.new_tokens - 1 for t in chat.turns) + 1
+    assert torch.allclose(steps.float().mean(0), chat.page_reads())
+    cache = chat._cache
+    for i, layer in enumerate(cache.layers):
+        page = layer.slot_page[0, :, : layer.prompt_slots]
+        rc = layer.slot_rc[0, :, : layer.prompt_slots]
+        pinned = layer.page_pinned[0].gather(-1, page.clamp(min=0))
+        for h in range(rc.shape[0]):
+            free = (rc[h, :, 0] >= 0) & ~pinned[h]
+            n_free_pages = int(page[h, free].unique().numel())
+            pages = steps[:, i, h][:, rc[h, free, 1], rc[h, free, 2]].sum(-1) / 4  # 2x2 tiles, all kept
+            assert (pages == math.ceil(0.25 * n_free_pages)).all(), (i, h, pages)
+    reads_only = Chat(model, processor, _scene(), method=spec, max_new_tokens=2, record_reads=True)
+    reads_only.ask(QUESTIONS[0])
+    with pytest.raises(ConfigError, match="record_steps=True"):
+        reads_only.page_reads_per_step()
+
+
 def test_user_errors_are_clear(tiny_random_llava, tmp_path):
     model, processor = tiny_random_llava
     with pytest.raises(DataError, match="nope.png"):
