@@ -1,6 +1,6 @@
 """The example notebooks run top to bottom on a kernel of this Python and show what they promise: the answers
-side by side, the KV memory kept, the kept patches and the pages read. As written they use the bundled tiny LLaVA
-(skipped only while its checkpoint is missing); any LLaVA path works through their parameters cell, which a
+side by side, the KV memory kept, the kept patches and the pages read. As written they use the 576-token bundled
+tiny LLaVA (skipped only while its checkpoint is missing); any LLaVA path works through their parameters cell, which a
 tiny random model exercises here."""
 
 import importlib.util
@@ -24,12 +24,12 @@ def _executor():
 
 
 def _bundled_or_skip() -> None:
-    from mm_oval.zoo import bundled_model_path
+    from mm_oval.zoo import bundled576_model_path
 
     try:
-        bundled_model_path()
+        bundled576_model_path()
     except ModelError as e:
-        pytest.skip(f"the bundled tiny LLaVA checkpoint is missing: {e}")
+        pytest.skip(f"the 576-token bundled tiny LLaVA checkpoint is missing: {e}")
 
 
 def _outputs(nb) -> tuple[list[str], list[str], int]:
@@ -75,30 +75,49 @@ def _n_layers(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
 
 
-def check_kept_notebook(nb, eviction: list[str], n_layers: int) -> None:
+def check_kept_notebook(nb, eviction: list[str], retrieval: list[str], n_layers: int, read: float) -> None:
     texts, markdown, pngs = _outputs(nb)
-    assert pngs == len(eviction) + 2  # one grid per eviction method, the head votes, the retrieval grid
-    iou = _table_rows(markdown[0])
-    assert len(iou) == 1 + n_layers  # header + one row per layer
-    assert all(0.0 <= float(v) <= 1.0 for row in iou[1:] for v in row[1:])
-    line = next(t for t in texts if t.startswith("pages read per decode step"))
-    share = int(re.search(r"(\d+)%", line)[1])
-    assert 25 <= share < 50  # ceil(25%) of the candidate pages per KV head and step
+    # the image; per question (the region one, the object list) the methods x layers grid; one method head by
+    # head; per retrieval method the object list's decode steps
+    assert pngs == 4 + len(retrieval)
+    answers = _table_rows(markdown[0])
+    assert answers[0][1:] == ["question", "object list"]
+    assert len(answers) == 1 + len(eviction) + len(retrieval) and all(len(r) == 3 for r in answers)
+    lists = {r[0]: r for r in _table_rows(markdown[1])[1:]}
+    assert lists["full cache"][1:] == ["100.0", "100"]  # the reference scores itself
+    assert all(0.0 <= float(r[1]) <= 100.0 for r in lists.values())
+    iou = _table_rows(markdown[2])
+    compressed = [m for m in eviction if m != "full"]
+    assert iou[0][1:] == compressed and len(iou) == 1 + len(compressed)
+    for i, row in enumerate(iou[1:]):
+        assert row[1 + i] == "1.00" and all(0.0 <= float(v) <= 1.0 for v in row[1:])
+    lines = [t for t in texts if t.startswith("pages read per decode step")]
+    assert len(lines) == len(retrieval)
+    for line in lines:
+        share = int(re.search(r"(\d+)% of the candidate", line)[1])
+        assert 100 * read <= share < 200 * read, line  # ceil(read budget) of each KV head's candidate pages
 
 
 def test_chat_with_image_notebook_on_the_bundled_model():
     _bundled_or_skip()
     nb = _executor().execute(EXAMPLES / "chat_with_image.ipynb")
-    methods = {"full cache": ("full", None), "KVP 25%": ("kvp", 0.25), "SnapKV 25%": ("snapkv", 0.25)}
-    check_chat_notebook(nb, methods, n_questions=5)
+    methods = {
+        "full cache": ("full", None),
+        "KVP 25%": ("kvp:agents=bundled576-image", 0.25),
+        "KeyDiff 25%": ("keydiff", 0.25),
+        "SnapKV 25%": ("snapkv", 0.25),
+    }
+    check_chat_notebook(nb, methods, n_questions=8)  # the eight questions about scene 1, one conversation
 
 
 def test_what_the_cache_kept_notebook_on_the_bundled_model():
     _bundled_or_skip()
-    from mm_oval.zoo import bundled_model_path
+    from mm_oval.zoo import bundled576_model_path
 
     nb = _executor().execute(EXAMPLES / "what_the_cache_kept.ipynb")
-    check_kept_notebook(nb, ["snapkv", "kvp"], _n_layers(bundled_model_path()))
+    eviction = ["full", "snapkv", "keydiff", "expected_attention", "kvp:agents=bundled576-image"]
+    retrieval = ["full:retrieval=oval,read_budget=0.1", "full:retrieval=quest,read_budget=0.1"]
+    check_kept_notebook(nb, eviction, retrieval, _n_layers(bundled576_model_path()), read=0.1)
 
 
 def test_notebooks_run_on_any_llava_path(tiny_random_llava_dir, tmp_path):
@@ -118,8 +137,16 @@ def test_notebooks_run_on_any_llava_path(tiny_random_llava_dir, tmp_path):
     )
     check_chat_notebook(nb, methods, n_questions=2)
     question = "what color is the object in row 2 column 3 ?"
+    eviction = ["full", "snapkv", "tova"]
+    retrieval = ["full:retrieval=quest,read_budget=0.25"]
     nb = run(
         EXAMPLES / "what_the_cache_kept.ipynb",
-        {**common, "QUESTION": repr(question), "EVICTION": repr(["snapkv", "tova"])},
+        {
+            **common,
+            "QUESTION": repr(question),
+            "REGIONS": "8",
+            "EVICTION": repr(eviction),
+            "RETRIEVAL": repr(retrieval),
+        },
     )
-    check_kept_notebook(nb, ["snapkv", "tova"], _n_layers(tiny_random_llava_dir))
+    check_kept_notebook(nb, eviction, retrieval, _n_layers(tiny_random_llava_dir), read=0.25)
