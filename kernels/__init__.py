@@ -14,7 +14,7 @@ if __name__ == "mm_oval.kernels":
     from .common.pagetable import pad_selection, paginate, selected_token_count, selected_token_mask
     from .compact import compact_kv
     from .kvp import KVPWeights, kvp_score
-    from .lowrank_score import page_score_lowrank
+    from .lowrank_score import page_score_lowrank, page_score_lowrank_compact
     from .quest_score import page_score_quest
     from .sparse_decode import merge_attention, sparse_paged_decode
 
@@ -28,6 +28,7 @@ if __name__ == "mm_oval.kernels":
         "merge_attention",
         "pad_selection",
         "page_score_lowrank",
+        "page_score_lowrank_compact",
         "page_score_quest",
         "paginate",
         "selected_token_count",

@@ -107,3 +107,42 @@ def test_mismatched_summaries_are_config_errors():
         page_score_lowrank(q, mu, basis[..., :8, :], coef, lengths)
     with pytest.raises(ConfigError, match="not a multiple"):
         page_score_lowrank(q[:, :3], mu, basis, coef, lengths)
+
+
+@pytest.mark.parametrize(
+    "B, Hkv, G, D, P, T, R",
+    [(1, 2, 1, 64, 6, 16, 8), (2, 1, 4, 128, 5, 32, 8), (1, 2, 2, 33, 9, 4, 3), (1, 1, 1, 128, 70, 16, 8)],
+)
+def test_the_compact_kernel_reads_the_record_as_stored_and_scores_what_the_reference_scores(B, Hkv, G, D, P, T, R):
+    """The fused kernel unpacks the int4 basis (two rows a byte, odd D included), the int8 centroid and
+    coefficients and their scales in registers and gives the reference's scores (which unpacks to fp32)."""
+    from mm_oval.kernels import page_score_lowrank_compact
+    from mm_oval.kernels.lowrank_score.kernel import page_score_lowrank_compact_triton
+
+    from mm_oval.policies.page_summaries import compact_page_bases, scoring_operands
+
+    q, mu, basis, coef, lengths, _ = summaries(B, Hkv, G, D, P, T, R, seed=D + P)
+    rec = compact_page_bases(mu, basis, coef)
+    got = page_score_lowrank_compact_triton(q, rec, lengths, scale=0.2)
+    want = page_score_lowrank_naive(q, *scoring_operands(rec), lengths, scale=0.2)
+    assert torch.equal(torch.isinf(got), lengths == 0) and torch.equal(torch.isinf(want), lengths == 0)
+    f = lengths > 0
+    torch.testing.assert_close(got[f], want[f], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(page_score_lowrank_compact(q, rec, lengths, 0.2)[f], want[f], rtol=1e-4, atol=1e-4)
+    # a swapped nibble order would score other pages: the test can tell
+    bad = dict(rec, basis_q=(rec["basis_q"] >> 4) | (rec["basis_q"] << 4))
+    if D > 2 * R:
+        assert not torch.allclose(page_score_lowrank_compact_triton(q, bad, lengths, 0.2)[f], want[f], atol=1e-3)
+
+
+def test_a_compact_record_with_a_missing_part_is_a_config_error():
+    from mm_oval.kernels import page_score_lowrank_compact
+
+    from mm_oval.policies.page_summaries import compact_page_bases
+
+    q, mu, basis, coef, lengths, _ = summaries(1, 1, 1, 16, 3, 4, 2, seed=1)
+    rec = compact_page_bases(mu, basis, coef)
+    with pytest.raises(ConfigError, match="lacks \\['coef_scale'\\]"):
+        page_score_lowrank_compact(q, {k: v for k, v in rec.items() if k != "coef_scale"}, lengths)
+    with pytest.raises(ConfigError, match="basis_q must be"):
+        page_score_lowrank_compact(q, dict(rec, basis_q=rec["basis_q"][..., :3, :]), lengths)

@@ -8,7 +8,9 @@ from ..common.dispatch import HAS_TRITON, backend, check, check_page_scores
 from . import naive
 
 if HAS_TRITON:
-    from .kernel import page_score_lowrank_triton
+    from .kernel import page_score_lowrank_compact_triton, page_score_lowrank_triton
+
+COMPACT_KEYS = ("mu_q", "mu_scale", "basis_q", "basis_scale", "coef_q", "coef_scale")
 
 
 def page_score_lowrank(
@@ -35,3 +37,38 @@ def page_score_lowrank(
     )
     fn = page_score_lowrank_triton if backend(q, mu) == "triton" else naive.page_score_lowrank_naive
     return fn(q, mu, basis, coef, page_len, scale)
+
+
+def page_score_lowrank_compact(
+    q: torch.Tensor,
+    record: dict[str, torch.Tensor],
+    page_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`page_score_lowrank` of a compact record (docs/oval.md "Compact summaries": mu_q (B, Hkv, P, D) int8
+    and mu_scale (B, Hkv, P), basis_q (B, Hkv, P, ceil(D/2), R) uint8 two int4 rows per byte and
+    basis_scale (B, Hkv, P, R), coef_q (B, Hkv, P, T, R) int8 and coef_scale (B, Hkv, P)). The Triton
+    kernel reads the record as stored and unpacks it in registers; the reference unpacks it to fp32."""
+    what = "page_score_lowrank_compact"
+    missing = [k for k in COMPACT_KEYS if k not in record]
+    check(not missing, f"{what}: the compact record lacks {missing}")
+    mu_q, basis_q, coef_q = record["mu_q"], record["basis_q"], record["coef_q"]
+    check_page_scores(q, mu_q, page_len, what)
+    B, Hkv, P, D = mu_q.shape
+    check(
+        basis_q.dim() == 5 and basis_q.shape[:4] == (B, Hkv, P, (D + 1) // 2),
+        f"{what}: basis_q must be (B, Hkv, P, ceil(D/2), R) = ({B}, {Hkv}, {P}, {(D + 1) // 2}, R)",
+    )
+    R = basis_q.shape[4]
+    check(
+        coef_q.dim() == 5 and coef_q.shape[:3] == (B, Hkv, P) and coef_q.shape[4] == R,
+        f"{what}: coef_q must be (B, Hkv, P, T, R) with R = {R}",
+    )
+    check(
+        record["basis_scale"].shape == (B, Hkv, P, R)
+        and record["mu_scale"].shape == record["coef_scale"].shape == (B, Hkv, P),
+        f"{what}: scales must be basis_scale (B, Hkv, P, R), mu_scale and coef_scale (B, Hkv, P)",
+    )
+    if backend(q, mu_q) == "triton":
+        return page_score_lowrank_compact_triton(q, record, page_len, scale)
+    return naive.page_score_lowrank_compact_naive(q, record, page_len, scale)

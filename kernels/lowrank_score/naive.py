@@ -45,3 +45,17 @@ def page_score_lowrank_naive(
 ) -> torch.Tensor:
     """LOCKS / OVAL page scores combined over the GQA group: (B, Hkv, P) fp32, -inf for empty pages."""
     return combine_gqa(page_raw_lowrank_naive(q, mu, basis, coef, page_len, scale))
+
+
+def page_score_lowrank_compact_naive(
+    q: torch.Tensor,
+    record: dict[str, torch.Tensor],
+    page_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """LOCKS / OVAL page scores of a compact record (mm_oval.policies.page_summaries.compact_page_bases),
+    GQA-combined: the record unpacked to fp32 (`scoring_operands`), then the float definition above."""
+    from ...policies.page_summaries import scoring_operands  # the record's one definition (no import cycle)
+
+    mu, basis, coef = scoring_operands(record)
+    return page_score_lowrank_naive(q, mu, basis, coef, page_len, scale)

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ConfigError
-from ..kernels import page_score_lowrank
+from ..kernels import page_score_lowrank, page_score_lowrank_compact
 from .base import DecodeContext, PageBatch, RetrievalPolicy, register_retrieval
 from .page_summaries import (
     check_summary_format,
@@ -21,7 +21,6 @@ from .page_summaries import (
     compact_page_bases,
     layer_output_metric,
     page_bases,
-    scoring_operands,
 )
 
 
@@ -87,12 +86,14 @@ class _BasisRetrieval(RetrievalPolicy):
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         sm = ctx.summaries
-        if self.summary_format == "compact":  # dequantised here; a fused dequantising kernel is future work
-            mu, basis, coef = scoring_operands(sm)
-        else:
-            mu, basis, coef = sm["mu"], sm["basis"], sm["coef"]
+        if self.summary_format == "compact":  # read as stored by the kernel (unpacked to fp32 off CUDA)
+            rows = [
+                page_score_lowrank_compact(ctx.query[:, :, i], sm, ctx.page_len, ctx.scaling)
+                for i in range(ctx.query.shape[2])
+            ]
+            return mean_over_queries(rows)
         rows = [
-            page_score_lowrank(ctx.query[:, :, i], mu, basis, coef, ctx.page_len, ctx.scaling)
+            page_score_lowrank(ctx.query[:, :, i], sm["mu"], sm["basis"], sm["coef"], ctx.page_len, ctx.scaling)
             for i in range(ctx.query.shape[2])
         ]
         return mean_over_queries(rows)
