@@ -81,15 +81,17 @@ def prompt_layout(n_text: int, device):
     return torch.arange(n, device=device)[None], mod, rc
 
 
-def pages_of(keys, values, mod, rc, embeds, module):
-    """Pages as the cache makes them: 2x2 image tiles (144 pages of 4 tokens) and 16-token text runs."""
+def pages_of(keys, values, mod, rc, embeds, module, tile: int = 2):
+    """Pages as the cache makes them: tile x tile image tiles (2: 144 pages of 4 tokens; 4: 36 of 16) and
+    16-token text runs."""
     B, H, N, D = keys.shape
     g = LLAVA7B["grid"]
     label = torch.empty(N, dtype=torch.long)
     img = (mod[0] == IMAGE).cpu()
     r, c = rc[0, :, 1].cpu(), rc[0, :, 2].cpu()
-    n_tiles = (g // 2) ** 2
-    label[img] = (r[img] // 2) * (g // 2) + c[img] // 2
+    side = -(-g // tile)  # tiles per row
+    n_tiles = side * side
+    label[img] = (r[img] // tile) * side + c[img] // tile
     txt_idx = (~img).nonzero().flatten()
     label[txt_idx] = n_tiles + torch.arange(len(txt_idx)) // 16
     P = int(label.max()) + 1
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     ap.add_argument("--read-budget", type=float, default=0.25)
+    ap.add_argument("--image-tile", type=int, default=2, choices=[2, 4], help="image pages: 2x2 or 4x4 tiles")
     ap.add_argument(
         "--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
         help="dtype of the KV the summaries table counts (and of the keys its float summaries come from)",
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         cache.crop(-1)  # drop the new token again
 
     embeds = x.float()
-    pages, page_start, page_len, kind = pages_of(kf, vf, mod, rc, embeds, attn)
+    pages, page_start, page_len, kind = pages_of(kf, vf, mod, rc, embeds, attn, args.image_tile)
     cand = (kind == IMAGE) & (page_len > 0)
     query1 = attn.q_proj(layer.input_layernorm(x1)).view(1, 1, s["heads"], s["head_dim"]).transpose(1, 2)
     router = HybridRouter(
@@ -373,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{phase:<8} {name:<52} {1e3 * part:>9.3f} {1e3 * base:>9.3f} {100 * part / base:>7.2f}%")
     n_cand = int(cand.sum())
     print(
-        f"\nsummaries scored per decode step and layer: {n_cand // s['kv_heads']} image pages (2x2 tiles) "
+        f"\nsummaries scored per decode step and layer: {n_cand // s['kv_heads']} image pages ({args.image_tile}x{args.image_tile} tiles) "
         f"per KV head x {s['kv_heads']} heads, KV in {args.kv_dtype}"
     )
     print(f"{'method':<61} {'summary KB':>10} {'KV KB':>9} {'ratio':>8}")
