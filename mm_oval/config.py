@@ -82,7 +82,7 @@ class OvalConfig:
     page_sizing: str = "fixed"
     page_split: float = PageSizing.split
     max_page_tokens: int = PageSizing.max_tokens
-    min_page_tokens: int = PageSizing.min_tokens
+    min_page_tokens: int | None = None  # None: PageSizing.min_tokens (16), or max_page_tokens if smaller
     mean_page_tokens: int = PageSizing.mean_tokens
     chunk_size: int = 512
     # the former names of the two scopes: refused with the new ones (not fields: never stored)
@@ -168,12 +168,14 @@ class OvalConfig:
         self.page_split = float(v)
         for name in ("max_page_tokens", "min_page_tokens"):
             v = getattr(self, name)
+            if v is None and name == "min_page_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 32 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two from 1 to 32, got {v!r}")
         v = self.mean_page_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"mean_page_tokens must be an int >= 1 (kept tokens per page), got {v!r}")
-        if self.min_page_tokens > self.max_page_tokens:
+        if self.min_page_tokens is not None and self.min_page_tokens > self.max_page_tokens:
             raise ConfigError(
                 f"min_page_tokens={self.min_page_tokens} is above max_page_tokens={self.max_page_tokens}"
             )
@@ -186,7 +188,9 @@ class OvalConfig:
         return PageSizing(
             split=self.page_split,
             max_tokens=self.max_page_tokens,
-            min_tokens=self.min_page_tokens,
+            min_tokens=min(PageSizing.min_tokens, self.max_page_tokens)
+            if self.min_page_tokens is None
+            else self.min_page_tokens,
             min_text_tokens=min(PageSizing.min_text_tokens, self.max_page_tokens),
             mean_tokens=self.mean_page_tokens,
         )

@@ -410,7 +410,7 @@ def test_unknown_retrieval_lists_the_known_ones(model_and_processor):
 
 
 @pytest.mark.parametrize("read_budget", [1.0, 0.3])
-@pytest.mark.parametrize("sizing", [{}, {"page_sizing": "dynamic", "page_split": 0.5}])
+@pytest.mark.parametrize("sizing", [{}, {"page_sizing": "dynamic", "page_split": 0.5, "min_page_tokens": 1}])
 def test_the_kernel_decode_path_equals_the_sdpa_path(model_and_processor, read_budget, sizing):
     """mm_oval.kernels.sparse_paged_decode (its torch reference on CPU) over the pages read gives what
     SDPA with the per-head slot mask gives, with fixed pages and with dynamic ones (1-32 tokens)."""

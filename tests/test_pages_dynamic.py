@@ -198,3 +198,15 @@ def test_heads_sized_in_chunks_get_the_pages_they_get_alone():
     whole, n_whole = dynamic_labels(keys, keep, mod, rc, sizing, head_chunk=6)
     chunked, n_chunked = dynamic_labels(keys, keep, mod, rc, sizing, head_chunk=4)
     assert n_whole == n_chunked and torch.equal(whole, chunked)
+
+
+def test_the_smallest_dynamic_page_is_16_tokens_unless_the_largest_is_smaller():
+    """Dynamic image pages default to 16-32 tokens (4x4 and 4x8 tiles: smaller pages lost accuracy at equal
+    bytes on the 576-token benchmark); a smaller max_page_tokens alone brings the floor down with it, and
+    an explicit min_page_tokens above it is still refused."""
+    cfg = OvalConfig(retrieval="quest", page_sizing="dynamic")
+    assert cfg.sizing.min_tokens == 16 and cfg.sizing.image_levels() == [(4, 8), (4, 4)]
+    assert OvalConfig(retrieval="quest", page_sizing="dynamic", max_page_tokens=8).sizing.min_tokens == 8
+    assert OvalConfig(retrieval="quest", page_sizing="dynamic", min_page_tokens=2).sizing.min_tokens == 2
+    with pytest.raises(ConfigError, match="min_page_tokens=16 is above max_page_tokens=8"):
+        OvalConfig(retrieval="quest", page_sizing="dynamic", min_page_tokens=16, max_page_tokens=8)
