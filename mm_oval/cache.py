@@ -355,6 +355,11 @@ class PagedLayer(CacheLayerMixin):
         self.phase = "decode"
         self._record_prefill_stats(valid, info)
         self._p_image = self._p_mod == IMAGE  # image slots (all in the prompt part)
+        # per prompt page: its valid slots and whether they are image slots (a page holds one modality),
+        # so a step's bytes read over the prompt are counted per page, not per slot
+        self._p_count = torch.zeros(B, H, P0, dtype=torch.long, device=keys.device)
+        self._p_count.scatter_add_(-1, lay.slot_page.clamp(min=0), ok.long())
+        self._p_page_image = lay.page_kind == IMAGE
         # bytes read at decode, summed over steps: rows summaries, selected, always_read, dense; columns
         # image, text (a tensor: no device sync per step; `stats` reads it)
         self._read_t = torch.zeros(len(READ_KINDS), 2, dtype=torch.long, device=keys.device)
@@ -561,6 +566,15 @@ class PagedLayer(CacheLayerMixin):
         image = (slots[..., : self.prompt_slots] & self._p_image).sum()
         return torch.stack([image, slots.sum() - image])
 
+    def _pages_by_modality(self, pages: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, P) bool pages -> (2,) long: the valid slots of those pages, image and text (as
+        `_by_modality` of their slots): prompt pages counted per page, decode slots (text) per slot."""
+        P0, L0 = self.prompt_pages, self.prompt_slots
+        prompt = pages[..., :P0] * self._p_count
+        image = (prompt * self._p_page_image).sum()
+        dec = self.slot_valid[..., L0:] & pages.gather(-1, self.slot_page[..., L0:].clamp(min=0))
+        return torch.stack([image, prompt.sum() - image + dec.sum()])
+
     def _count_read(self, always: torch.Tensor | None, chosen: torch.Tensor | None, summary: torch.Tensor) -> None:
         """Adds one decode step's bytes read to `_read_t`: `always` / `chosen` (B, Hkv, P) bool pages read
         whatever the selection / selected by the retrieval policy (None, None: every slot is read),
@@ -570,10 +584,8 @@ class PagedLayer(CacheLayerMixin):
         if always is None:
             read_always, selected = dense, torch.zeros_like(dense)
         else:
-            valid = self.slot_valid
-            page = self.slot_page.clamp(min=0)
-            read_always = self._by_modality(valid & always.gather(-1, page))
-            selected = self._by_modality(valid & chosen.gather(-1, page))
+            read_always = self._pages_by_modality(always)
+            selected = self._pages_by_modality(chosen)
         self._read_t += torch.stack([summary, selected * per_token, read_always * per_token, dense * per_token])
 
     def _bytes_budget(

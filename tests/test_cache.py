@@ -511,3 +511,23 @@ def test_storage_grows_in_place_during_long_decodes(model_and_processor):
             for gq in range(2):
                 a = torch.softmax(q[b, h * 2 + gq, 0] @ k.T * D**-0.5, -1)
                 torch.testing.assert_close(out[b, 0, h * 2 + gq], a @ v, atol=1e-5, rtol=1e-5)
+
+
+def test_bytes_read_counted_per_page_equal_those_counted_per_slot(model_and_processor):
+    """A step's bytes read are counted from the pages read (per prompt page, its valid slots) rather than
+    by a pass over every slot: the same counts, image and text, for any pages read, with evicted and padded
+    slots, after decode tokens closed a page."""
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    mm_oval.wrap(model, method="snapkv", budget=0.5, retrieval="quest", read_budget=0.5, text_page_size=4)
+    cache = prefill(model, **inputs)
+    g = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        B, H, _, D = layer.keys.shape
+        for _ in range(6):
+            layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+        assert not bool(layer.slot_valid.all())  # padding / eviction left empty slots
+        for _ in range(3):
+            pages = torch.rand(layer.page_len.shape, generator=g) < 0.5
+            by_slot = layer._by_modality(layer.slot_valid & pages.gather(-1, layer.slot_page.clamp(min=0)))
+            assert torch.equal(layer._pages_by_modality(pages), by_slot)
