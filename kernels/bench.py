@@ -198,6 +198,13 @@ def bench_lowrank_score(args, device: torch.device, dtype: torch.dtype) -> list[
         n = (mu.numel() + basis.numel() + coef.numel()) * esize + plen.numel() * 4
         t = timer(partial(K.page_score_lowrank, q, mu, basis, coef, plen), args.reps)
         rows.append(_row("pages", f"page score LOCKS/OVAL r={R}", B, N, 1.0, t, n, cuda))
+        # the compact record (int4 basis, int8 centroid / coefficients, fp16 scales): the bytes it stores
+        from mm_oval.policies.page_summaries import compact_page_bases
+
+        rec = compact_page_bases(mu.float(), basis.float(), coef.float())
+        n = sum(v.numel() * v.element_size() for v in rec.values()) + plen.numel() * 4
+        t = timer(partial(K.page_score_lowrank_compact, q, rec, plen), args.reps)
+        rows.append(_row("pages", f"page score LOCKS/OVAL r={R} compact", B, N, 1.0, t, n, cuda))
     return rows
 
 
@@ -318,11 +325,22 @@ def _page_case(device: torch.device, g: torch.Generator):
 
 
 def verify_lowrank_score(device: torch.device, g: torch.Generator) -> list[Check]:
-    from mm_oval.kernels.lowrank_score.kernel import page_score_lowrank_triton
-    from mm_oval.kernels.lowrank_score.naive import page_score_lowrank_naive
+    from mm_oval.kernels.lowrank_score.kernel import (
+        page_score_lowrank_compact_triton,
+        page_score_lowrank_triton,
+    )
+    from mm_oval.kernels.lowrank_score.naive import page_score_lowrank_compact_naive, page_score_lowrank_naive
+
+    from mm_oval.policies.page_summaries import compact_page_bases
 
     case = _page_case(device, g)
-    return [("page score LOCKS/OVAL", _rel(page_score_lowrank_triton(*case), page_score_lowrank_naive(*case)), 1e-3)]
+    q, mu, basis, coef, plen = case
+    rec = compact_page_bases(mu.float(), basis.float(), coef.float())
+    compact = _rel(page_score_lowrank_compact_triton(q, rec, plen), page_score_lowrank_compact_naive(q, rec, plen))
+    return [
+        ("page score LOCKS/OVAL", _rel(page_score_lowrank_triton(*case), page_score_lowrank_naive(*case)), 1e-3),
+        ("page score LOCKS/OVAL compact", compact, 1e-3),
+    ]
 
 
 def verify_quest_score(device: torch.device, g: torch.Generator) -> list[Check]:

@@ -12,3 +12,6 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$
 "$PY" -m mm_oval.kernels.bench --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
 "$PY" benchmarks/bench_overhead.py --device cuda --dtype bfloat16 --repeats 20 --out "$OUT/overhead.json" 2>&1 \
     | tee "$OUT/overhead.txt"
+# the page scoring on 4x4 tiles (16-token pages), the layout that fits a 25% bytes budget
+"$PY" benchmarks/bench_overhead.py --device cuda --dtype bfloat16 --repeats 20 --image-tile 4 \
+    --out "$OUT/overhead_tile4.json" 2>&1 | tee "$OUT/overhead_tile4.txt"
