@@ -22,7 +22,7 @@ O=sink_tokens=3,recent_tokens=0,read_bytes_budget
 D=page_sizing=dynamic
 C=summary_format=compact
 if [ -z "${METHODS:-}" ]; then
-    METHODS=(quest:$O quest:$O,image_tile=4 quest:$O,$D quest:$O,$D,$C
+    METHODS=(quest:$O quest:$O,image_tile=4 quest:$O,image_tile=4,$C quest:$O,$D quest:$O,$D,$C
              oval:$O,image_tile=4 oval:$O,$D oval:$O,image_tile=4,$C oval:$O,$D,$C locks:$O,$D,$C
              router2:$O,weights=bundled576 router2:$O,image_tile=4,weights=bundled576-quest4c
              ${EXTRA_METHODS:-})
