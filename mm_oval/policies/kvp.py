@@ -26,6 +26,7 @@ from ..errors import ModelError
 from .base import EvictionPolicy, PrefillContext, RequestState, register_eviction
 from .kvp_agents import KVPAgentConfig, KVPAgents
 from .kvp_io import BUNDLED_AGENTS, LoadedAgents, bundled_agents_path, load_agents, save_agents
+from .kvp_select import RedundancySelection, pair_kernel, redundancy_scores
 from .signature import check_signature, model_signature, probe_from_attention, probe_matches
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ class KVPPolicy(EvictionPolicy):
     "bundled" (the default: the agents trained for the bundled tiny LLaVA) or "bundled-joint" (its
     joint-heads agents, for `head_budget="shared"`), "bundled-image" / "bundled-image-joint" (the same
     trained for `compress="image"`, the image compressed before the question is read), or "bundled576-image"
-    (per-head agents for the 576-token tiny LLaVA, `compress="image"`). `model`, when given, is checked against
+    (per-head agents for the 576-token tiny LLaVA, `compress="image"`). `redundancy` / `sigma`: the
+    redundancy-aware selection over the agents' scores (`kvp_select`; default: what the agents' config
+    records, else off). `model`, when given, is checked against
     the agents' recorded shape and fingerprint at once; otherwise each layer is checked on first use
     (shape from the keys, fingerprint from the layer's k_proj / v_proj).
 
@@ -72,6 +75,8 @@ class KVPPolicy(EvictionPolicy):
         agents: str | Path | KVPAgents | LoadedAgents | None = None,
         model: Any = None,
         check_weights: bool = True,
+        redundancy: float | None = None,
+        sigma: float | None = None,
     ):
         if isinstance(agents, KVPAgents):
             loaded = LoadedAgents(agents, {}, {}, "<in-memory>")
@@ -85,6 +90,11 @@ class KVPPolicy(EvictionPolicy):
             loaded = load_agents(path)
         self.loaded = loaded
         self.agents = loaded.agents.eval()
+        # the agents' recorded selection (kvp_config.json "selection"), each setting overridable
+        rec = RedundancySelection.from_dict(loaded.selection, f"{loaded.source} selection")
+        self.selection = RedundancySelection(
+            rec.redundancy if redundancy is None else redundancy, rec.sigma if sigma is None else sigma
+        )
         self.check_weights = check_weights
         self._checked_layers: set[int] = set()
         if model is not None:
@@ -141,11 +151,23 @@ class KVPPolicy(EvictionPolicy):
     @torch.no_grad()
     def score(self, ctx: PrefillContext) -> torch.Tensor:
         raw = self.raw_scores(ctx)
-        if self.agents.config.joint_heads:  # already on one scale across the layer's heads
+        if not self.agents.config.joint_heads:  # joint-heads scores are already on one scale
+            lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # padding is -inf and drops out
+            ctx.request.kvp_log_partition[ctx.layer_idx] = lse
+            raw = raw - lse
+        if not self.selection.active:
             return raw
-        lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # padding is -inf and drops out
-        ctx.request.kvp_log_partition[ctx.layer_idx] = lse
-        return raw - lse
+        return redundancy_scores(raw, ctx.keys, ctx.modality, ctx.image_rc, self.selection, self._pairs(ctx))
+
+    def _pairs(self, ctx: PrefillContext) -> torch.Tensor:
+        """The prompt's `pair_kernel`, computed once for the layers of one request (same image layout)."""
+        kept = getattr(self, "_pair_cache", None)
+        if kept is not None and kept[0].shape == ctx.image_rc.shape and kept[0].device == ctx.image_rc.device:
+            if torch.equal(kept[0], ctx.image_rc) and torch.equal(kept[1], ctx.modality):
+                return kept[2]
+        pair = pair_kernel(ctx.modality, ctx.image_rc, self.selection.sigma)
+        self._pair_cache = (ctx.image_rc.clone(), ctx.modality.clone(), pair)
+        return pair
 
     @torch.no_grad()
     def score_tokens(

@@ -47,6 +47,7 @@ class LoadedAgents:
     model: dict
     training: dict = field(default_factory=dict)
     source: str = ""
+    selection: dict = field(default_factory=dict)  # how the scores become a selection (kvp_select)
 
 
 def load_agents(directory: str | Path, device: str | torch.device | None = None) -> LoadedAgents:
@@ -90,7 +91,10 @@ def load_agents(directory: str | Path, device: str | torch.device | None = None)
     agents.eval().requires_grad_(False)
     if device is not None:
         agents.to(device)
-    return LoadedAgents(agents, cfg["model"], cfg.get("training", {}), str(directory))
+    selection = cfg.get("selection", {})
+    if not isinstance(selection, dict):
+        raise ModelError(f"{cfg_path}: 'selection' must be an object (redundancy, sigma); fix or retrain")
+    return LoadedAgents(agents, cfg["model"], cfg.get("training", {}), str(directory), selection)
 
 
 # names `agents` may take instead of a directory -> the package-data folder of the bundled tiny LLaVA's agents:

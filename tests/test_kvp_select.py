@@ -1,0 +1,133 @@
+"""The redundancy-aware selection over KVP scores: a small budget covers distinct image content before it
+keeps a second copy of anything, text tokens keep the agents' order, and settings come from the agents'
+config unless overridden."""
+
+import json
+
+import pytest
+import torch
+
+from mm_oval.core import topk_mask
+from mm_oval.errors import ConfigError
+from mm_oval.policies.base import IMAGE, PAD, TEXT
+from mm_oval.policies.kvp import KVPPolicy
+from mm_oval.policies.kvp_agents import KVPAgentConfig, KVPAgents
+from mm_oval.policies.kvp_io import save_agents
+from mm_oval.policies.kvp_select import RedundancySelection, redundancy_scores
+
+
+def scene(groups: list[tuple[int, float]], text: int = 2, side: int = 8, d: int = 16):
+    """One head: `text` text tokens, then image tokens in groups of identical keys (n tokens each, all scored
+    `score` plus a tiny per-token tie-break), laid out along the patch raster."""
+    torch.manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(d, d)).Q
+    keys, scores, rc, mod, gid = [], [], [], [], []
+    for t in range(text):
+        keys.append(torch.randn(d))
+        scores.append(-1.0 - t)
+        rc.append([-1, -1, -1])
+        mod.append(TEXT)
+        gid.append(-1)
+    p = 0
+    for g, (n, s) in enumerate(groups):
+        for i in range(n):
+            keys.append(basis[g])
+            scores.append(s - 1e-3 * i)
+            rc.append([0, p // side, p % side])
+            mod.append(IMAGE)
+            gid.append(g)
+            p += 1
+    return (
+        torch.tensor(scores)[None, None],
+        torch.stack(keys)[None, None],
+        torch.tensor(mod, dtype=torch.int8)[None],
+        torch.tensor(rc)[None],
+        torch.tensor(gid),
+    )
+
+
+def kept_groups(scores, mod, gid, k: int) -> list[int]:
+    keep = topk_mask(scores, (mod == IMAGE)[:, None, :], torch.tensor([[k]]))[0, 0]
+    return sorted(gid[keep].tolist())
+
+
+def test_off_leaves_the_scores_alone():
+    s, k, m, rc, _ = scene([(5, 0.0), (3, -1.0)])
+    assert torch.equal(redundancy_scores(s, k, m, rc, RedundancySelection()), s)
+
+
+def test_a_small_budget_covers_every_group_before_a_second_copy():
+    # group 0: 12 identical tokens scored highest; groups 1 and 2 score lower
+    s, k, m, rc, gid = scene([(12, 2.0), (4, 0.5), (4, 0.0)])
+    assert kept_groups(s, m, gid, 3) == [0, 0, 0]  # the agents' own order spends the budget on group 0
+    out = redundancy_scores(s, k, m, rc, RedundancySelection(redundancy=4.0))
+    assert kept_groups(out, m, gid, 3) == [0, 1, 2]
+    # once every group is covered, the agents' order decides again
+    assert kept_groups(out, m, gid, 6) == [0, 0, 0, 0, 1, 2]
+    # the image scores are the agents' own, reordered (same values up to the strict-order nudge)
+    img = m[0] == IMAGE
+    assert torch.allclose(out[0, 0, img].sort().values, s[0, 0, img].sort().values, atol=0.01)
+
+
+def test_text_keeps_its_scores_and_padding_stays_last():
+    s, k, m, rc, gid = scene([(6, 1.0), (2, 0.0)], text=3)
+    m[0, 0] = PAD
+    s[0, 0, 0] = float("-inf")
+    out = redundancy_scores(s, k, m, rc, RedundancySelection(redundancy=2.0, sigma=2.0))
+    txt = m[0] == TEXT
+    assert torch.equal(out[0, 0, txt], s[0, 0, txt])
+    assert out[0, 0, 0] == float("-inf")
+
+
+def test_the_spatial_term_spreads_a_group_over_the_grid():
+    # one group of 16 identical tokens on two rows of 8: with sigma, the second pick is far from the first
+    s, k, m, rc, gid = scene([(16, 1.0)], text=0)
+    out = redundancy_scores(s, k, m, rc, RedundancySelection(redundancy=4.0, sigma=2.0))
+    top2 = out[0, 0].topk(2).indices
+    assert float((rc[0, top2[0], 1:] - rc[0, top2[1], 1:]).float().norm()) >= 5
+    plain = s[0, 0].topk(2).indices  # the agents' tie-break: neighbours
+    assert abs(int(rc[0, plain[0], 2]) - int(rc[0, plain[1], 2])) == 1
+
+
+def test_batched_rows_of_different_lengths_match_one_by_one():
+    a = scene([(6, 1.0), (3, 0.0)])
+    b = scene([(4, 0.5), (2, 0.2), (2, 0.0)])
+    sel = RedundancySelection(redundancy=3.0, sigma=1.5)
+    n = max(a[0].shape[-1], b[0].shape[-1])
+
+    def pad(one):  # left padding, as the harness batches
+        s, k, m, rc, _ = one
+        w = n - s.shape[-1]
+        return (
+            torch.cat([torch.full((1, 1, w), float("-inf")), s], -1),
+            torch.cat([torch.zeros(1, 1, w, k.shape[-1]), k], 2),
+            torch.cat([torch.full((1, w), PAD, dtype=m.dtype), m], -1),
+            torch.cat([torch.full((1, w, 3), -1, dtype=rc.dtype), rc], 1),
+        )
+
+    pa, pb = pad(a), pad(b)
+    batch = [torch.cat([x, y], 0) for x, y in zip(pa, pb)]
+    out = redundancy_scores(*batch, sel)
+    for row, one in ((0, a), (1, b)):
+        alone = redundancy_scores(*one[:4], sel)
+        w = n - one[0].shape[-1]
+        assert torch.equal(out[row, 0, w:].argsort(descending=True), alone[0, 0].argsort(descending=True))
+
+
+def test_the_policy_reads_the_selection_from_the_agents_config(tmp_path):
+    agents = KVPAgents(KVPAgentConfig(num_layers=1, num_kv_heads=1, head_dim=16, proj=8, hidden=8, pos_table=64))
+    save_agents(agents, tmp_path, {})
+    assert not KVPPolicy(agents=tmp_path).selection.active
+    cfg = json.loads((tmp_path / "kvp_config.json").read_text())
+    cfg["selection"] = {"redundancy": 2.0, "sigma": 3.0}
+    (tmp_path / "kvp_config.json").write_text(json.dumps(cfg))
+    assert KVPPolicy(agents=tmp_path).selection == RedundancySelection(2.0, 3.0)
+    assert KVPPolicy(agents=tmp_path, redundancy=0).selection == RedundancySelection(0.0, 3.0)
+    cfg["selection"] = {"redundancy": -1}
+    (tmp_path / "kvp_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="redundancy"):
+        KVPPolicy(agents=tmp_path)
+    cfg["selection"] = {"lambda": 1}
+    (tmp_path / "kvp_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unknown selection settings"):
+        KVPPolicy(agents=tmp_path)
