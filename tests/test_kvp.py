@@ -389,7 +389,7 @@ def test_agents_for_another_model_are_a_clear_error(tiny_random_llava, tmp_path)
         load_agents(tmp_path / "missing")
 
 
-def test_train_kvp_command_smoke_run(tiny_random_llava, tmp_path):
+def test_train_kvp_command_smoke_run(tiny_random_llava, tmp_path, capsys):
     from mm_oval.cli import main
 
     model, processor = tiny_random_llava
@@ -405,6 +405,13 @@ def test_train_kvp_command_smoke_run(tiny_random_llava, tmp_path):
     assert table["optimal"]["cost"] == pytest.approx(1.0)
     assert set(table) >= {"kvp", "random", "streamingllm", "knorm", "keydiff"}
     assert main(argv) == 0  # everything resumes: nothing is captured or trained twice
+    assert not KVPPolicy(agents=out).selection.active
+    # a selection over the scores is recorded beside the same agents (no weight changes) and read back
+    assert main([*argv, "--redundancy", "2", "--sigma", "3"]) == 0
+    assert load_agents(out).selection == {"redundancy": 2.0, "sigma": 3.0}
+    assert (KVPPolicy(agents=out).selection.redundancy, KVPPolicy(agents=out).selection.sigma) == (2.0, 3.0)
+    assert main([*argv, "--redundancy", "-1"]) != 0
+    assert "redundancy must be a number >= 0" in capsys.readouterr().err
 
 
 def test_the_pipeline_is_a_library_call_and_its_baselines_are_the_registered_policies(

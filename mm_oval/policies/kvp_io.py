@@ -24,9 +24,14 @@ FORMAT_VERSION = 1
 
 
 def save_agents(
-    agents: KVPAgents, directory: str | Path, model_sig: dict, training: dict | None = None
+    agents: KVPAgents,
+    directory: str | Path,
+    model_sig: dict,
+    training: dict | None = None,
+    selection: dict | None = None,
 ) -> Path:
-    """Write kvp_agents.safetensors + kvp_config.json (model shape, fingerprint, agent shape, training)."""
+    """Write kvp_agents.safetensors + kvp_config.json (model shape, fingerprint, agent shape, training, and
+    the selection over the scores when there is one: `policies.kvp_select.RedundancySelection` fields)."""
     directory = Path(directory)
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in agents.state_dict().items()}
     atomic_write_bytes(directory / WEIGHTS_NAME, save(tensors))
@@ -37,6 +42,8 @@ def save_agents(
         "agent": asdict(agents.config),
         "training": training or {},
     }
+    if selection:
+        cfg["selection"] = dict(selection)
     atomic_write_bytes(directory / CONFIG_NAME, json.dumps(cfg, indent=1).encode())
     return directory
 

@@ -86,6 +86,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
+    p.add_argument(
+        "--redundancy",
+        type=float,
+        default=0.0,
+        help="record a redundancy-aware selection with the agents: a token's score is lowered by this much "
+        "times its similarity to the tokens already kept (default 0: the agents' own order)",
+    )
+    p.add_argument(
+        "--sigma",
+        type=float,
+        default=0.0,
+        help="with --redundancy: the spatial reach (in image patches) of that similarity (0: keys alone)",
+    )
     add_load_arguments(p)
 
 

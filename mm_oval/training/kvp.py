@@ -36,6 +36,7 @@ from ..policies.base import PAD, PrefillContext, make_eviction
 from ..policies.kvp_agents import EXTRA_FEATURES, KVPAgentConfig, KVPAgents
 from ..policies.kvp_features import extra_features
 from ..policies.kvp_io import save_agents
+from ..policies.kvp_select import RedundancySelection
 from ..policies.signature import model_signature
 from .traces import capture_traces, load_samples, load_traces
 
@@ -527,6 +528,10 @@ class PipelineConfig:
     joint_heads: bool = False
     sinks: int = 4
     recent: int = 16
+    # the selection recorded beside the agents (policies.kvp_select): it changes no weight, only how the
+    # cache turns the agents' scores into kept tokens
+    redundancy: float = 0.0
+    sigma: float = 0.0
 
 
 @dataclass
@@ -622,6 +627,7 @@ def train(
     kvp_config.json, loaded by `mm_oval.wrap(model, method="kvp", method_options={"agents": out})`).
     Every stage resumes from what a previous call with the same settings left in `out_dir`."""
     out = Path(out_dir)
+    selection = RedundancySelection(cfg.redundancy, cfg.sigma)  # a bad setting fails before any capture
     train_cfg = train_cfg if train_cfg is not None else TrainConfig(seed=cfg.seed)
     signature = model_signature(model)
     train_samples, held_samples, held_spec, fu = _split_samples(cfg)
@@ -662,6 +668,6 @@ def train(
         "compress": cfg.compress,
         "heldout_cost": {k: v["cost"] for k, v in table.items()},
     }
-    save_agents(res.agents, out, signature, training)
+    save_agents(res.agents, out, signature, training, asdict(selection) if selection.active else None)
     logger.info("agents written to %s", out)
     return PipelineResult(res.agents, table, training)
