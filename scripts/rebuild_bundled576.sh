@@ -5,8 +5,8 @@
 #
 # 1. `mm-oval zoo train576 --out RUN_DIR` (vision tower trained, projector and language model in closed
 #    form) and its export RUN_DIR/model copied to mm_oval/zoo/tiny_llava576;
-# 2. the KVP agents fitted to it (per head, image compressed before the question) copied to
-#    mm_oval/zoo/tiny_llava576_kvp_image (`agents=bundled576-image`);
+# 2. the KVP agents fitted to it (per head, image compressed before the question, with the redundancy-aware
+#    selection recorded beside them) copied to mm_oval/zoo/tiny_llava576_kvp_image (`agents=bundled576-image`);
 # 3. full-cache scores (VQAv2, MMBench, POPE, object lists) and the grounding check under runs/bundled576/;
 # 4. scripts/sweep_bundled576.sh: every method at 5-50 % of the image KV in the four settings.
 set -euo pipefail
@@ -20,7 +20,7 @@ cp "$RUN"/model/* mm_oval/zoo/tiny_llava576/
 cp "$RUN"/vision_log.jsonl "$RUN"/build_report.json mm_oval/zoo/tiny_llava576/
 rm -rf "$OUT/kvp"
 "$BIN/mm-oval" train-kvp --model bundled576 --data zoo576:train:600 --heldout-samples 100 --out "$OUT/kvp" \
-    --steps 600 --proj 32 --hidden 32 --compress image --sinks 3 --recent 0
+    --steps 600 --proj 32 --hidden 32 --compress image --sinks 3 --recent 0 --redundancy 4 --sigma 3
 mkdir -p mm_oval/zoo/tiny_llava576_kvp_image
 cp "$OUT"/kvp/kvp_agents.safetensors "$OUT"/kvp/kvp_config.json "$OUT"/kvp/heldout.json mm_oval/zoo/tiny_llava576_kvp_image/
 for task in vqav2 mmbench pope objlist; do

@@ -7,8 +7,8 @@
 # docs/results/ as *_576.md / *_576.png. To fit in about 35 minutes on 2 cores, every setting runs on the
 # first questions of its dev set: VQAv2 80 (10 images, all 8 types), MMBench 24 base questions (with
 # their circular rotations), lists 30, conversations 40 (10 conversations of 4); LIMIT_VQA, LIMIT_MMB,
-# LIMIT_LIST and LIMIT_MT change that. KVP and the router are not swept here: their bundled agents and
-# weights are fitted to the 64-token model.
+# LIMIT_LIST and LIMIT_MT change that. KVP runs its agents fitted to this model (bundled576-image); the
+# router is not swept here (router v2 is in scripts/frontier_bundled576.sh).
 #
 #   scripts/sweep_bundled576.sh
 set -euo pipefail
