@@ -113,7 +113,8 @@ BUNDLED_AGENTS = {
     "bundled-joint": "tiny_llava_kvp_joint",
     "bundled-image": "tiny_llava_kvp_image",
     "bundled-image-joint": "tiny_llava_kvp_image_joint",
-    # the 576-token tiny LLaVA's (`--model bundled576`), question-agnostic setting, per-head rankings
+    # the 576-token tiny LLaVA's (`--model bundled576`), question-agnostic setting, per-head rankings, with
+    # the redundancy-aware selection (policies.kvp_select) recorded in their config
     "bundled576-image": "tiny_llava576_kvp_image",
 }
 
