@@ -131,3 +131,19 @@ def test_the_policy_reads_the_selection_from_the_agents_config(tmp_path):
     (tmp_path / "kvp_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="unknown selection settings"):
         KVPPolicy(agents=tmp_path)
+
+
+def test_a_row_with_fewer_image_tokens_keeps_its_order_when_the_first_token_is_an_image_token():
+    # row 0: 6 image tokens from index 0 on; row 1: 10, so row 0 runs out of tokens 4 steps early
+    a = scene([(4, 1.0), (2, 0.0)], text=0)
+    b = scene([(8, 1.0), (2, 0.0)], text=0)
+    n = b[0].shape[-1]
+    w = n - a[0].shape[-1]
+    s = torch.cat([torch.cat([a[0], torch.full((1, 1, w), float("-inf"))], -1), b[0]], 0)
+    k = torch.cat([torch.cat([a[1], torch.zeros(1, 1, w, a[1].shape[-1])], 2), b[1]], 0)
+    m = torch.cat([torch.cat([a[2], torch.full((1, w), PAD, dtype=a[2].dtype)], -1), b[2]], 0)
+    rc = torch.cat([torch.cat([a[3], torch.full((1, w, 3), -1, dtype=a[3].dtype)], 1), b[3]], 0)
+    sel = RedundancySelection(redundancy=3.0)
+    out = redundancy_scores(s, k, m, rc, sel)
+    alone = redundancy_scores(*a[:4], sel)
+    assert torch.equal(out[0, 0, : a[0].shape[-1]].argsort(descending=True), alone[0, 0].argsort(descending=True))

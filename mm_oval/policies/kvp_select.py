@@ -112,7 +112,8 @@ def redundancy_scores(
         penalty = torch.maximum(penalty, lam * row)
         gain = (z - penalty).masked_fill(gain == float("-inf"), float("-inf"))
         gain.scatter_(-1, j[..., None], float("-inf"))
-    rank.scatter_(-1, picks, torch.where(live, steps.expand(B, H, n_img), float(N)))
+    # a row that ran out of image tokens "picks" index 0 again: the lowest rank written to a token wins
+    rank.scatter_reduce_(-1, picks, torch.where(live, steps.expand(B, H, n_img), float(N)), reduce="amin")
     # image tokens take the head's image scores in greedy order (the t-th picked gets the t-th best score,
     # made strictly decreasing), so they stay on the agents' scale beside the text tokens, which keep theirs
     vals = s.masked_fill(~img, float("-inf")).sort(dim=-1, descending=True).values
