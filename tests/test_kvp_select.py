@@ -125,7 +125,7 @@ def test_the_policy_reads_the_selection_from_the_agents_config(tmp_path):
     assert KVPPolicy(agents=tmp_path, redundancy=0).selection == RedundancySelection(0.0, 3.0)
     cfg["selection"] = {"redundancy": -1}
     (tmp_path / "kvp_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="redundancy"):
+    with pytest.raises(ConfigError, match=r"selection: KVP option redundancy must be a number >= 0"):
         KVPPolicy(agents=tmp_path)
     cfg["selection"] = {"lambda": 1}
     (tmp_path / "kvp_config.json").write_text(json.dumps(cfg))

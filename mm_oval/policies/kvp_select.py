@@ -51,7 +51,10 @@ class RedundancySelection:
         unknown = set(d) - {"redundancy", "sigma"}
         if unknown:
             raise ConfigError(f"{where}: unknown selection settings {sorted(unknown)}; use redundancy, sigma")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}; fix the file or retrain with `mm-oval train-kvp`") from e
 
 
 def pair_kernel(modality: torch.Tensor, image_rc: torch.Tensor, sigma: float) -> torch.Tensor:
