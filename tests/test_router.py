@@ -62,9 +62,10 @@ def test_each_layer_and_head_gets_its_own_routing_vector_and_lora_starts_at_zero
     assert torch.allclose(r.out(x), r.out.base(x))  # B = 0: LoRA adds nothing before training
 
 
-def test_the_per_layer_rows_and_the_precomputed_parts_give_the_full_computation():
-    """At decode the router computes only its layer's rows of the output layer, takes the page keys/values
-    made when the pages closed and the step's text state made once: the same vectors as the whole network."""
+def test_the_per_layer_rows_and_the_folded_cross_attention_give_the_full_computation():
+    """At decode the router computes only its layer's rows of the output layer, folds the cross-attention's
+    page keys and values into its query and pooled embedding (no per-page keys or values are kept), and
+    takes the step's text state made once: the same vectors as the whole network, with a page left out."""
     torch.manual_seed(2)
     r = _router()
     with torch.no_grad():
@@ -72,6 +73,7 @@ def test_the_per_layer_rows_and_the_precomputed_parts_give_the_full_computation(
     h = torch.randn(2, 32)
     emb = torch.randn(2, 2, 6, 16)
     img = torch.rand(2, 2, 6) > 0.3
+    img[1, 0] = False  # a head without image pages: no fused term
     c = r.config
     with torch.no_grad():
         t = r.text_state(h)
@@ -87,8 +89,7 @@ def test_the_per_layer_rows_and_the_precomputed_parts_give_the_full_computation(
         for layer in range(c.num_layers):
             want = torch.stack([full[:, hh, layer, hh] for hh in range(2)], 1)
             torch.testing.assert_close(r.routing_vectors(h, emb, img, layer), want)
-            got = r.routing_vectors(h, emb, img, layer, r.page_keys_values(emb), t)
-            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(r.routing_vectors(h, emb, img, layer, t), want)
 
 
 def test_pool_page_content_averages_the_page_tokens_only():
@@ -98,6 +99,64 @@ def test_pool_page_content_averages_the_page_tokens_only():
     assert content[0, 0, 0].tolist() == [1.0, 2.0]
     assert content[0, 0, 1].tolist() == [8.0, 9.0]
     assert has.tolist() == [[[True, True, False]]]
+
+
+def _pool_widening_first(embeds, idx):
+    """The page contents as the router first computed them: an fp32 copy of the prompt, then the gather."""
+    b, n, hid = embeds.shape
+    ok = (idx >= 0) & (idx < n)
+    flat = idx.clamp(0, n - 1).reshape(b, -1)
+    gathered = embeds.float().gather(1, flat.unsqueeze(-1).expand(-1, -1, hid)).view(*idx.shape, hid)
+    w = ok.unsqueeze(-1).float()
+    return (gathered * w).sum(-2) / w.sum(-2).clamp_min(1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pool_page_content_in_the_models_dtype_equals_widening_the_whole_prompt_first(dtype):
+    g = torch.Generator().manual_seed(3)
+    embeds = torch.randn(2, 40, 24, generator=g).to(dtype)
+    idx = torch.randint(-1, 40, (2, 3, 7, 4), generator=g)
+    idx[0, 0, 0] = -1  # a page without a prompt token
+    content, has = pool_page_content(embeds, idx)
+    assert content.dtype == torch.float32 and not bool(has[0, 0, 0])
+    assert torch.equal(content, _pool_widening_first(embeds, idx))
+
+
+def test_the_page_record_is_one_route_dim_vector_in_the_models_dtype_and_scores_as_fp32_would():
+    """The router keeps per page and KV head only its page embedding, in the model's dtype: route_dim
+    entries (64 bf16 = 128 bytes against 2 x 4 tokens x 128 x 2 bytes = 2 KiB of KV for a 2x2 image page of
+    LLaVA-1.5-7B: 6.25%); scoring from it gives the fp32 record's logits within bf16 rounding."""
+    from mm_oval.core import PageBatch, RequestState
+    from mm_oval.policies.router import RouterRetrieval
+
+    torch.manual_seed(4)
+    r = _router()
+    with torch.no_grad():
+        r.out.lora_b.normal_()
+    policy = RouterRetrieval(router=r)
+    g = torch.Generator().manual_seed(4)
+    embeds = torch.randn(1, 30, 32, generator=g)
+    idx = torch.arange(24).view(1, 1, 6, 4).expand(1, 2, 6, 4).clone()
+    kind = torch.full((1, 2, 6), IMAGE, dtype=torch.int8)
+    summaries = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        request = RequestState(inputs_embeds=embeds.to(dtype))
+        keys = torch.zeros(1, 2, 6, 4, 8, dtype=dtype)
+        batch = PageBatch(layer_idx=1, keys=keys, values=keys, mask=torch.ones(1, 2, 6, 4, dtype=torch.bool),
+                          kind=kind, first_page=0, token_index=idx, request=request)  # fmt: skip
+        summaries[dtype] = policy.summarize(batch)
+        assert list(summaries[dtype]) == ["route_emb"]
+        assert summaries[dtype]["route_emb"].shape == (1, 2, 6, 16)
+        assert summaries[dtype]["route_emb"].dtype == dtype
+    h = torch.randn(1, 32, generator=g)
+    valid = torch.ones(1, 2, 6, dtype=torch.bool)
+    with torch.no_grad():
+        want = r(h, summaries[torch.float32]["route_emb"], kind, valid, 1)
+        got = r(h, summaries[torch.bfloat16]["route_emb"], kind, valid, 1)
+        exact = r(h, summaries[torch.float32]["route_emb"].bfloat16(), kind, valid, 1)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(got, want)  # it is the bf16 record that was scored
+    torch.testing.assert_close(got, exact, rtol=1e-2, atol=1e-2)
 
 
 def test_focal_loss_prefers_the_teacher_pages_and_ignores_non_candidates():

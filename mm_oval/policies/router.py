@@ -35,6 +35,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from torch import nn
+from torch.nn import functional as F
 
 from ..errors import ConfigError, DataError, ModelError
 from ..files import atomic_write_bytes, atomic_write_json
@@ -185,22 +186,26 @@ class HybridRouter(nn.Module):
         page_emb: torch.Tensor,
         image_pages: torch.Tensor,
         layer_idx: int,
-        page_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         text_state: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """last_hidden (B, hidden), page_emb (B, Hkv, P, R), image_pages (B, Hkv, P) bool -> u (B, Hkv, R).
-        `page_kv`: `page_keys_values(page_emb)` computed once when the pages closed; `text_state`:
-        `text_state(last_hidden)` computed once per decode step; both optional (computed here if absent).
-        Only layer `layer_idx`'s rows of the output layer are computed."""
+        `text_state`: `text_state(last_hidden)` computed once per decode step (computed here if absent).
+        Only layer `layer_idx`'s rows of the output layer are computed.
+
+        The cross-attention's keys and values are linear in the page embeddings, so they are folded into
+        the query and the pooled embedding instead of being kept per page: q . (W_k e_j + b_k) =
+        (q W_k) . e_j + q . b_k, the last term the same for every page (the softmax drops it), and
+        sum_j w_j (W_v e_j + b_v) = W_v (sum_j w_j e_j) + b_v sum_j w_j."""
         c = self.config
+        page_emb = page_emb.float()
         b, hkv, p, r = page_emb.shape
         t = self.text_state(last_hidden) if text_state is None else text_state  # (B, R)
-        q = self.xq(t)  # (B, R)
-        k, v = self.page_keys_values(page_emb) if page_kv is None else page_kv
-        att = torch.einsum("br,bhpr->bhp", q, k) / math.sqrt(r)  # (B, Hkv, P)
+        qk = self.xq(t) @ self.xk.weight  # (B, R)
+        att = torch.einsum("br,bhpr->bhp", qk, page_emb) / math.sqrt(r)  # (B, Hkv, P)
         att = att.masked_fill(~image_pages, float("-inf"))
         w = torch.softmax(att, -1).nan_to_num(0.0)  # no image page: no fused term
-        fused = self.xo(torch.einsum("bhp,bhpr->bhr", w, v))  # (B, Hkv, R)
+        pooled = torch.einsum("bhp,bhpr->bhr", w, page_emb)  # (B, Hkv, R)
+        fused = self.xo(F.linear(pooled, self.xv.weight) + self.xv.bias * w.sum(-1, keepdim=True))
         z = self.mlp(torch.cat([t.unsqueeze(1).expand(b, hkv, r), fused], -1))  # (B, Hkv, M)
         # only the output layer's rows of (layer_idx, head h) for head h: W z + bias + scale * B (A z)
         L, H = c.num_layers, c.num_kv_heads
@@ -214,10 +219,6 @@ class HybridRouter(nn.Module):
         """(B, hidden) -> (B, R): the previous token's state, the same for every layer of a decode step."""
         return self.text_proj(self.text_norm(last_hidden.float()))
 
-    def page_keys_values(self, page_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-attention keys and values of page embeddings: fixed once a page has closed."""
-        return self.xk(page_emb), self.xv(page_emb)
-
     def forward(
         self,
         last_hidden: torch.Tensor,
@@ -225,13 +226,13 @@ class HybridRouter(nn.Module):
         page_kind: torch.Tensor,
         page_valid: torch.Tensor,
         layer_idx: int,
-        page_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         text_state: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Page logits (B, Hkv, P); -inf for pages that are not valid."""
+        """Page logits (B, Hkv, P); -inf for pages that are not valid. `page_emb` may be in the model's
+        dtype (the cache's page record); the logits are computed in fp32."""
         image = page_valid & (page_kind == IMAGE)
-        u = self.routing_vectors(last_hidden, page_emb, image, layer_idx, page_kv, text_state)
-        logits = torch.einsum("bhr,bhpr->bhp", u, page_emb) / self.log_temperature.exp()
+        u = self.routing_vectors(last_hidden, page_emb, image, layer_idx, text_state)
+        logits = torch.einsum("bhr,bhpr->bhp", u, page_emb.float()) / self.log_temperature.exp()
         p = page_emb.shape[-2]
         # locality: distance in pages to the newest valid page of the head
         idx = torch.arange(p, device=logits.device)
@@ -332,16 +333,16 @@ def pool_page_content(
     """Mean input embedding of each page's tokens.
 
     inputs_embeds (B, N, hidden) of the prompt; token_index (B, Hkv, P, T) the prompt index of each page
-    token (-1 = empty slot or a generated token). Returns content (B, Hkv, P, hidden) and has_content
-    (B, Hkv, P) bool (False for pages without a prompt token)."""
+    token (-1 = empty slot or a generated token). Returns content (B, Hkv, P, hidden) fp32 and has_content
+    (B, Hkv, P) bool (False for pages without a prompt token). Only the page tokens' rows are gathered
+    and then widened to fp32 (no fp32 copy of the whole prompt): the same sums as widening first."""
     b, n, hid = inputs_embeds.shape
     ok = (token_index >= 0) & (token_index < n)
     flat = token_index.clamp(0, n - 1).reshape(b, -1)  # (B, Hkv*P*T)
-    gathered = inputs_embeds.float().gather(1, flat.unsqueeze(-1).expand(-1, -1, hid))
-    gathered = gathered.view(*token_index.shape, hid)
-    w = ok.unsqueeze(-1).float()
-    count = w.sum(-2)
-    content = (gathered * w).sum(-2) / count.clamp_min(1.0)
+    gathered = inputs_embeds.gather(1, flat.unsqueeze(-1).expand(-1, -1, hid)).float()
+    gathered = gathered.view(*token_index.shape, hid).masked_fill_(~ok.unsqueeze(-1), 0.0)
+    count = ok.sum(-1, keepdim=True)
+    content = gathered.sum(-2) / count.clamp_min(1)
     return content, count.squeeze(-1) > 0
 
 
@@ -421,10 +422,10 @@ class RouterRetrieval(RetrievalPolicy):
         else:
             content, _ = pool_page_content(embeds, token_index)
         with torch.no_grad():
-            router = self.router.to(content.device)
-            emb = router.embed_pages(content, kind)
-            k, v = router.page_keys_values(emb)
-        return {"route_emb": emb, "route_k": k, "route_v": v}
+            emb = self.router.to(content.device).embed_pages(content, kind)
+        del content
+        # the page record: route_dim entries per page and KV head, in the model's dtype
+        return {"route_emb": emb.to(pages.keys.dtype)}
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         hidden = ctx.step.last_hidden
@@ -443,5 +444,4 @@ class RouterRetrieval(RetrievalPolicy):
             cached = ctx.step.router_text_state
             if cached is None or cached[0] is not hidden:
                 cached = ctx.step.router_text_state = (hidden, self.router.text_state(hidden))
-            kv = (ctx.summaries["route_k"], ctx.summaries["route_v"]) if "route_k" in ctx.summaries else None
-            return self.router(hidden, emb, ctx.page_kind, ctx.page_len > 0, ctx.layer_idx, kv, cached[1])
+            return self.router(hidden, emb, ctx.page_kind, ctx.page_len > 0, ctx.layer_idx, cached[1])
