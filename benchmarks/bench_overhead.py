@@ -10,7 +10,8 @@ model's side).
 
 - prefill: the layer's forward over the prompt vs KVP scoring of that layer's 32 KV heads (the committed
   agent shape, proj 64 / hidden 64 with the modality and 2-D features, and the paper's, proj 256 / hidden
-  256 without them), and vs Expected Attention's scoring of them (its defaults: covariance, value norms,
+  256 without them; and the committed shape followed by the redundancy-aware selection the bundled 576 agents
+  use, redundancy 4 and sigma 3, `policies/kvp_select.py`), and vs Expected Attention's scoring of them (its defaults: covariance, value norms,
   512 future positions), from the layer's queries, keys and values as the cache hands them over; and vs
   SnapKV's scoring plus the cache's choice of the kept tokens at a 25% image budget, uniform and with
   PyramidKV's layer schedule or AdaKV's shared head budget (`choose_kept`, the layer taken as the first of 32);
@@ -47,8 +48,10 @@ from mm_oval.policies.base import (
     make_retrieval,
 )
 from mm_oval.policies.kvp import KVPAgentConfig, KVPAgents
+from mm_oval.policies.kvp_select import RedundancySelection, pair_kernel, redundancy_scores
 from mm_oval.policies.router import HybridRouter, RouterConfig, RouterRetrieval
 
+SELECTED = "kvp + redundancy-aware selection (redundancy 4, sigma 3)"
 LLAVA7B = dict(hidden=4096, heads=32, kv_heads=32, head_dim=128, mlp=11008, layers=32, grid=24)
 
 
@@ -320,11 +323,18 @@ def main(argv: list[str] | None = None) -> int:
             select("router", li, step)
 
     kvzip_prepass, kvzip_scoring = kvzip_jobs(layer, cfg, rope, x, pe, g)
+    # KVP with the bundled 576 agents' redundancy-aware selection over its scores (the prompt's pair kernel
+    # is computed once per request, not per layer: left out, as the policy keeps it across layers)
+    committed = next(iter(agents.values()))
+    first_agents = lambda: committed.score_layer(0, kf, vf, pos, mod, rc).log_softmax(-1)  # noqa: E731
+    selection = RedundancySelection(redundancy=4.0, sigma=3.0)
+    pair = pair_kernel(mod, rc, selection.sigma)
     jobs = {
         "prefill layer": lambda: layer(x, position_embeddings=pe),
         "kvzip pre-pass": kvzip_prepass,
         "kvzip scoring": kvzip_scoring,
         **{name: (lambda a=a: a.score_layer(0, kf, vf, pos, mod, rc)) for name, a in agents.items()},
+        SELECTED: lambda: redundancy_scores(first_agents(), kf, mod, rc, selection, pair),
         "decode layer": decode_step,
         **{
             f"{name} page choice": (lambda n=name: select(n))
@@ -346,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in agents:
         rows.append(("prefill", name, med[name], med["prefill layer"]))
+    rows.append(("prefill", SELECTED, med[SELECTED], med["prefill layer"]))
     rows.append(("prefill", "expected_attention", med["expected_attention scoring"], med["prefill layer"]))
     for part, key in (
         ("kvzip pre-pass (prompt + reconstruction, scored)", "kvzip pre-pass"),
