@@ -256,6 +256,9 @@ def test_the_bundled_router2_serves_the_576_token_model_only(tiny_random_llava):
     compact = load_router2(bundled_router2_path("bundled576-quest4c"))  # over compact Quest on 4x4 tiles
     assert compact.config.base == "quest" and compact.config.base_options == {"summary_format": "compact"}
     Router2Retrieval(weights="bundled576-quest4c", model=model576)
+    oval = load_router2(bundled_router2_path("bundled576-oval4c"))  # over compact OVAL on 4x4 tiles
+    assert oval.config.base == "oval" and oval.config.base_options == {"summary_format": "compact"}
+    Router2Retrieval(weights="bundled576-oval4c", model=model576)
     with pytest.raises(ConfigError, match="unknown bundled weights 'bundled576-nope'; known: bundled576, "):
         bundled_router2_path("bundled576-nope")
 

@@ -233,8 +233,13 @@ def load_router2(path: str | Path, model: Any = None) -> Router2Net:
 
 
 # weights=NAME -> mm_oval.zoo package data folder: the 576-token model's router v2 over Quest on 2x2 tiles
-# (float bounds), and over compact Quest on 4x4 tiles (`image_tile=4`, what fits a 25% bytes budget)
-BUNDLED = {"bundled576": "tiny_llava576_router2", "bundled576-quest4c": "tiny_llava576_router2_quest4c"}
+# (float bounds), over compact Quest on 4x4 tiles (`image_tile=4`, what fits a 25% bytes budget), and over
+# compact OVAL on 4x4 tiles (`image_tile=4`)
+BUNDLED = {
+    "bundled576": "tiny_llava576_router2",
+    "bundled576-quest4c": "tiny_llava576_router2_quest4c",
+    "bundled576-oval4c": "tiny_llava576_router2_oval4c",
+}
 
 
 def bundled_router2_path(name: str = "bundled576") -> Path:
