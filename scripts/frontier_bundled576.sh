@@ -4,8 +4,8 @@
 # the pages selected + always-read pages, against every resident slot), in four settings: single
 # questions with the image compressed before the question (VQAv2 and MMBench), the long-answer object
 # list, and conversations of 4 questions about one image. 3 sinks, no recent window, text pages always read.
-# Methods: Quest, LOCKS and OVAL with fixed pages (2x2 and 4x4 tiles) and dynamic ones (OVAL's sizing),
-# float and compact summaries, and router v2 (its bundled weights: over Quest on 2x2 tiles, over compact
+# Methods: Quest, LOCKS and OVAL (rank 8; OVAL rank 2 too) with fixed pages (2x2 and 4x4 tiles) and dynamic
+# ones (OVAL's sizing), float and compact summaries, and router v2 (its bundled weights: over Quest on 2x2 tiles, over compact
 # Quest on 4x4 tiles, and over compact OVAL on 4x4 tiles). Each cell resumes; tables
 # and plots land in docs/results/frontier_*_576.md / .png. First questions of each dev set only (VQAv2
 # 80 = 10 per type, MMBench 24 base questions with their rotations, lists 20, conversations 40 = 10 of 4);
@@ -23,7 +23,8 @@ D=page_sizing=dynamic
 C=summary_format=compact
 if [ -z "${METHODS:-}" ]; then
     METHODS=(quest:$O quest:$O,image_tile=4 quest:$O,image_tile=4,$C quest:$O,$D quest:$O,$D,$C
-             oval:$O,image_tile=4 oval:$O,$D oval:$O,image_tile=4,$C oval:$O,$D,$C locks:$O,$D,$C
+             oval:$O,image_tile=4 oval:$O,$D oval:$O,image_tile=4,$C oval:$O,image_tile=4,$C,rank=2 oval:$O,$D,$C
+             locks:$O,$D,$C
              router2:$O,weights=bundled576 router2:$O,image_tile=4,weights=bundled576-quest4c
              router2:$O,image_tile=4,weights=bundled576-oval4c
              ${EXTRA_METHODS:-})
