@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import sizes  # noqa: E402
+from bench_memory import random_prompts, sizes  # noqa: E402
 
 import mm_oval  # noqa: E402
 from mm_oval.config import OvalConfig  # noqa: E402
@@ -50,17 +49,7 @@ def build(args: argparse.Namespace):
     model, processor = build_tiny_llava(seed=0, sizes=sizes(args.small, args.layers))
     dtype = getattr(torch, args.dtype)
     model = model.to(dtype=dtype).eval()
-    side = model.config.vision_config.image_size
-    g = torch.Generator().manual_seed(0)
-    images = [
-        [Image.fromarray((torch.rand(side, side, 3, generator=g) * 255).to(torch.uint8).numpy())
-         for _ in range(args.images)]
-        for _ in range(args.batch)
-    ]  # fmt: skip
-    prompt = "USER: " + "<image>\n" * args.images + "what color is the circle ? ASSISTANT:"
-    inputs = processor(images=images, text=[prompt] * args.batch, return_tensors="pt", padding=True)
-    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-    return model, inputs
+    return model, random_prompts(model, processor, args.images, args.batch, dtype)[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,6 +74,21 @@ def config(name: str, router_dir: str, read_budget: float) -> OvalConfig:
     return OvalConfig(retrieval=name, retrieval_options=options, read_budget=read_budget)
 
 
+def random_prompts(model, processor, n_images: int, batch: int, dtype: torch.dtype):
+    """`batch` prompts of `n_images` random images each and one question -> (images, processor inputs)."""
+    side = model.config.vision_config.image_size
+    g = torch.Generator().manual_seed(0)
+    images = [
+        [Image.fromarray((torch.rand(side, side, 3, generator=g) * 255).to(torch.uint8).numpy())
+         for _ in range(n_images)]
+        for _ in range(batch)
+    ]  # fmt: skip
+    prompt = "USER: " + "<image>\n" * n_images + "what color is the circle ? ASSISTANT:"
+    inputs = processor(images=images, text=[prompt] * batch, return_tensors="pt", padding=True)
+    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    return images, inputs
+
+
 def _status_mib(key: str) -> float:
     text = Path("/proc/self/status").read_text()
     return int(re.search(rf"{key}:\s+(\d+)", text).group(1)) / 1024.0
@@ -125,16 +140,7 @@ def child(args: argparse.Namespace) -> dict:
         save_router(HybridRouter(shapes), args.router_dir)
     before = _status_mib("VmRSS")  # the same for every configuration: the peak is counted from here
     model = mm_oval.wrap(model, config(args.child, args.router_dir, args.read_budget))
-    side = model.config.vision_config.image_size
-    g = torch.Generator().manual_seed(0)
-    images = [
-        [Image.fromarray((torch.rand(side, side, 3, generator=g) * 255).to(torch.uint8).numpy())
-         for _ in range(args.images)]
-        for _ in range(args.batch)
-    ]  # fmt: skip
-    prompt = "USER: " + "<image>\n" * args.images + "what color is the circle ? ASSISTANT:"
-    inputs = processor(images=images, text=[prompt] * args.batch, return_tensors="pt", padding=True)
-    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    images, inputs = random_prompts(model, processor, args.images, args.batch, dtype)
     n_prompt = int(inputs["input_ids"].shape[1])
     with torch.no_grad():  # warm-up on one image: what the first call loads is not the request's
         one = processor(images=[images[0][0]], text=["USER: <image>\nhi ASSISTANT:"], return_tensors="pt")

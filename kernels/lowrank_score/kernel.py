@@ -23,6 +23,17 @@ from ..common.triton_utils import (
 
 
 @triton.jit
+def _page_logsumexp(s, t_valid, length):
+    """(BLOCK_P, BLOCK_T) scaled token logits -> (BLOCK_P,) log-sum-exp over each page's valid tokens,
+    -inf for an empty page."""
+    s = tl.where(t_valid, s, float("-inf"))
+    has = length > 0
+    m_safe = tl.where(has, tl.max(s, 1), 0.0)
+    z = tl.sum(tl.exp(s - m_safe[:, None]), 1)
+    return tl.where(has, m_safe + tl.log(tl.where(has, z, 1.0)), float("-inf"))
+
+
+@triton.jit
 def _lowrank_raw_kernel(
     Q,
     MU,
@@ -98,13 +109,7 @@ def _lowrank_raw_kernel(
         qmu = tl.sum(mu * qg[None, :], 1)  # (BLOCK_P,)
         qv = tl.sum(basis * qg[None, :, None], 1)  # (BLOCK_P, BLOCK_R)
         qvc = tl.sum(coef * qv[:, None, :], 2)  # (BLOCK_P, BLOCK_T)
-        s = (qmu[:, None] + qvc) * scale
-        s = tl.where(t_valid, s, float("-inf"))
-        m = tl.max(s, 1)
-        has = length > 0
-        m_safe = tl.where(has, m, 0.0)
-        z = tl.sum(tl.exp(s - m_safe[:, None]), 1)
-        raw = tl.where(has, m_safe + tl.log(tl.where(has, z, 1.0)), float("-inf"))
+        raw = _page_logsumexp((qmu[:, None] + qvc) * scale, t_valid, length)
         tl.store(RAW + ((pid_bh * G + g) * P) + offs_p, raw, mask=p_mask)
 
 
@@ -268,13 +273,7 @@ def _lowrank_compact_raw_kernel(
         qmu = tl.sum(mu * qg[None, :], 1)  # (BLOCK_P,)
         qv = tl.sum(lo * q_lo[None, :, None] + hi * q_hi[None, :, None], 1) * col_scale  # (BLOCK_P, BLOCK_R)
         qvc = tl.sum(coef * qv[:, None, :], 2)  # (BLOCK_P, BLOCK_T)
-        s = (qmu[:, None] + qvc) * scale
-        s = tl.where(t_valid, s, float("-inf"))
-        m = tl.max(s, 1)
-        has = length > 0
-        m_safe = tl.where(has, m, 0.0)
-        z = tl.sum(tl.exp(s - m_safe[:, None]), 1)
-        raw = tl.where(has, m_safe + tl.log(tl.where(has, z, 1.0)), float("-inf"))
+        raw = _page_logsumexp((qmu[:, None] + qvc) * scale, t_valid, length)
         tl.store(RAW + ((pid_bh * G + g) * P) + offs_p, raw, mask=p_mask)
 
 
