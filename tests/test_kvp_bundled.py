@@ -150,3 +150,22 @@ def test_the_576_token_agents_select_so_that_a_small_budget_covers_every_object(
                 uncovered[name] += sum(not any(r * 24 + c in kept for r, c in mem) for mem in members)
     assert uncovered["selection"] == 0
     assert uncovered["plain"] > 0
+
+
+def test_the_576_token_joint_heads_agents_rank_on_one_scale_and_are_used_with_a_shared_head_budget():
+    """The joint-heads agents of the 576-token model load for it, score a layer's KV heads on one scale
+    (so the shared head budget takes them, which per-head agents are refused), and record the same
+    redundancy-aware selection as the per-head ones."""
+    import mm_oval
+    from mm_oval.errors import ConfigError
+    from mm_oval.modelfiles import load_model
+
+    model, _ = load_model("bundled576")
+    pol = KVPPolicy(agents="bundled576-image-joint", model=model)
+    assert pol.agents.config.joint_heads and pol.comparable_across_heads
+    assert (pol.selection.redundancy, pol.selection.sigma) == (4.0, 3.0)
+    assert pol.loaded.training["compress"] == "image"
+    mm_oval.wrap(model, method="kvp", method_options={"agents": "bundled576-image-joint"}, head_budget="shared")
+    mm_oval.unwrap(model)
+    with pytest.raises(ConfigError):
+        mm_oval.wrap(model, method="kvp", method_options={"agents": "bundled576-image"}, head_budget="shared")

@@ -116,6 +116,8 @@ BUNDLED_AGENTS = {
     # the 576-token tiny LLaVA's (`--model bundled576`), question-agnostic setting, per-head rankings, with
     # the redundancy-aware selection (policies.kvp_select) recorded in their config
     "bundled576-image": "tiny_llava576_kvp_image",
+    # the same, joint-heads rankings (one scale for a layer's KV heads: `head_budget="shared"`)
+    "bundled576-image-joint": "tiny_llava576_kvp_image_joint",
 }
 
 
