@@ -52,6 +52,7 @@ from mm_oval.policies.kvp_select import RedundancySelection, pair_kernel, redund
 from mm_oval.policies.router import HybridRouter, RouterConfig, RouterRetrieval
 
 SELECTED = "kvp + redundancy-aware selection (redundancy 4, sigma 3)"
+SELECTED_25 = "kvp + selection stopped at a 25% image budget (144 picks)"
 LLAVA7B = dict(hidden=4096, heads=32, kv_heads=32, head_dim=128, mlp=11008, layers=32, grid=24)
 
 
@@ -329,12 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     first_agents = lambda: committed.score_layer(0, kf, vf, pos, mod, rc).log_softmax(-1)  # noqa: E731
     selection = RedundancySelection(redundancy=4.0, sigma=3.0)
     pair = pair_kernel(mod, rc, selection.sigma)
+    n_img_25 = -(-s["grid"] ** 2 // 4)  # a 25% image budget's count per head: the walk stops there
     jobs = {
         "prefill layer": lambda: layer(x, position_embeddings=pe),
         "kvzip pre-pass": kvzip_prepass,
         "kvzip scoring": kvzip_scoring,
         **{name: (lambda a=a: a.score_layer(0, kf, vf, pos, mod, rc)) for name, a in agents.items()},
         SELECTED: lambda: redundancy_scores(first_agents(), kf, mod, rc, selection, pair),
+        SELECTED_25: lambda: redundancy_scores(first_agents(), kf, mod, rc, selection, pair, n_img_25),
         "decode layer": decode_step,
         **{
             f"{name} page choice": (lambda n=name: select(n))
@@ -357,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in agents:
         rows.append(("prefill", name, med[name], med["prefill layer"]))
     rows.append(("prefill", SELECTED, med[SELECTED], med["prefill layer"]))
+    rows.append(("prefill", SELECTED_25, med[SELECTED_25], med["prefill layer"]))
     rows.append(("prefill", "expected_attention", med["expected_attention scoring"], med["prefill layer"]))
     for part, key in (
         ("kvzip pre-pass (prompt + reconstruction, scored)", "kvzip pre-pass"),

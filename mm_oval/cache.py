@@ -260,6 +260,18 @@ class PagedLayer(CacheLayerMixin):
         self.is_initialized = False
 
     # ---- prefill: eviction and pages -------------------------------------------------------------
+    def _image_keep(self, policy: Any) -> int | None:
+        """The most image tokens one KV head of this layer keeps, when `choose_kept` fixes that count per
+        head (a uniform budget over the image tokens alone); None when a head may keep more (PyramidKV's
+        schedule, heads sharing the budget, one budget over all tokens)."""
+        cfg, info = self.owner.config, self.owner.info
+        alloc = Allocation.of(policy, cfg.head_budget).with_head_budget(cfg.head_budget)
+        if cfg.eviction_scope == "all" or alloc.pyramid_beta is not None or alloc.share_heads:
+            return None
+        image = info.modality == IMAGE
+        k = torch.maximum(budget_count(cfg.budget, image.sum(-1)), (info.protected & image).sum(-1))
+        return int(k.max()) if k.numel() else 0
+
     def finish_prefill(self, query: torch.Tensor, module: Any, scaling: float) -> None:
         owner, cfg, info = self.owner, self.owner.config, self.owner.info
         keys, values = self.keys, self.values
@@ -293,6 +305,7 @@ class PagedLayer(CacheLayerMixin):
                 request=owner.request,
                 hidden_states=hidden if policy.needs_hidden_states else None,
                 rope=owner.rope,
+                image_keep=self._image_keep(policy),
             )
             scores = policy.score(ctx)
             if not policy.keep_layer_unchanged(self.layer_idx):

@@ -134,6 +134,8 @@ class PrefillContext:
     rope: Rope | None = None  # the text model's RoPE (cos, sin for any positions, e.g. future ones)
     request: RequestState = field(default_factory=RequestState)  # the request's state, shared by
     # the layers (what `prepare_request` returned, state a policy passes from one layer to the next)
+    image_keep: int | None = None  # the most image tokens one KV head of this layer keeps (its budget's
+    # count, protected ones included), when the budget fixes it per head; None: any number, up to all
 
     @property
     def valid(self) -> torch.Tensor:

@@ -147,3 +147,66 @@ def test_a_row_with_fewer_image_tokens_keeps_its_order_when_the_first_token_is_a
     out = redundancy_scores(s, k, m, rc, sel)
     alone = redundancy_scores(*a[:4], sel)
     assert torch.equal(out[0, 0, : a[0].shape[-1]].argsort(descending=True), alone[0, 0].argsort(descending=True))
+
+
+@pytest.mark.parametrize("k", [1, 7, 29, 64])
+def test_a_walk_stopped_at_the_budget_keeps_what_the_whole_walk_keeps(k):
+    """Stopping the greedy walk after the most tokens a head keeps (PrefillContext.image_keep) gives the
+    same top-k image tokens per head as the whole walk, for any budget up to it; the tokens it did not
+    reach keep finite scores below the picked ones."""
+    g = torch.Generator().manual_seed(k)
+    B, H, side, D = 2, 3, 8, 16
+    n_img, n_txt = side * side, 5
+    N = n_txt + n_img
+    modality = torch.full((B, N), TEXT, dtype=torch.int8)
+    modality[:, n_txt:] = IMAGE
+    rc = torch.full((B, N, 3), -1, dtype=torch.long)
+    r, c = torch.div(torch.arange(n_img), side, rounding_mode="floor"), torch.arange(n_img) % side
+    rc[:, n_txt:, 0], rc[:, n_txt:, 1], rc[:, n_txt:, 2] = 0, r, c
+    keys = torch.randn(B, H, N, D, generator=g)
+    scores = torch.randn(B, H, N, generator=g)
+    sel = RedundancySelection(redundancy=4.0, sigma=3.0)
+    whole = redundancy_scores(scores, keys, modality, rc, sel)
+    cut = redundancy_scores(scores, keys, modality, rc, sel, max_picks=k)
+    img = slice(n_txt, N)
+    for kk in {1, k // 2 or 1, k}:
+        top_whole = whole[..., img].topk(kk, dim=-1).indices.sort(-1).values
+        top_cut = cut[..., img].topk(kk, dim=-1).indices.sort(-1).values
+        assert torch.equal(top_whole, top_cut)
+    assert torch.isfinite(cut[..., img]).all()
+    assert torch.equal(cut[..., :n_txt], scores[..., :n_txt].float())  # text keeps the agents' scores
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.25])
+def test_the_cache_stops_the_walk_at_the_budget_and_keeps_the_same_tokens(budget, monkeypatch):
+    """Through the cache, the walk stops at the layer's per-head image count (`image_keep`) and keeps the
+    tokens the whole walk keeps; a shared head budget gives no count (a head may keep more)."""
+    from PIL import Image
+
+    import mm_oval
+    import mm_oval.cache as cache_mod
+    from mm_oval.modelfiles import load_model
+    from mm_oval.wrapper import prefill
+
+    model, processor = load_model("bundled")
+    g = torch.Generator().manual_seed(0)
+    imgs = [Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy()) for _ in range(2)]
+    inputs = processor(
+        images=imgs, text=["USER: <image>\nwhat color is the circle ? ASSISTANT:"] * 2, return_tensors="pt"
+    )
+    spec = f"kvp:agents=bundled-image,redundancy=4,sigma=3,budget={budget},sink_tokens=3,recent_tokens=0"
+    seen = []
+    real = cache_mod.PagedLayer._image_keep
+    monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", lambda self, p: seen.append(real(self, p)) or seen[-1])
+    mm_oval.wrap(model, mm_oval.OvalConfig.from_spec(spec))
+    cut = [layer._p_src.clone() for layer in prefill(model, **inputs).layers]
+    assert seen and all(k == -(-64 * budget // 1) for k in seen)  # 64 image tokens, the budget's count
+    monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", lambda self, p: None)
+    whole = [layer._p_src.clone() for layer in prefill(model, **inputs).layers]
+    assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(cut, whole))
+    monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", real)
+    mm_oval.unwrap(model)
+    shared = spec.replace("agents=bundled-image", "agents=bundled-image-joint") + ",head_budget=shared"
+    layer = prefill(mm_oval.wrap(model, mm_oval.OvalConfig.from_spec(shared)), **inputs)
+    assert layer.layers[0]._image_keep(layer.eviction) is None
+    mm_oval.unwrap(model)

@@ -157,7 +157,9 @@ class KVPPolicy(EvictionPolicy):
             raw = raw - lse
         if not self.selection.active:
             return raw
-        return redundancy_scores(raw, ctx.keys, ctx.modality, ctx.image_rc, self.selection, self._pairs(ctx))
+        return redundancy_scores(
+            raw, ctx.keys, ctx.modality, ctx.image_rc, self.selection, self._pairs(ctx), ctx.image_keep
+        )
 
     def _pairs(self, ctx: PrefillContext) -> torch.Tensor:
         """The prompt's `pair_kernel`, computed once for the layers of one request (same image layout)."""

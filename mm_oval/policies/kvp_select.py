@@ -77,11 +77,15 @@ def redundancy_scores(
     image_rc: torch.Tensor,
     sel: RedundancySelection,
     pair: torch.Tensor | None = None,
+    max_picks: int | None = None,
 ) -> torch.Tensor:
     """scores (B, H, N) (padding -inf), keys (B, H, N, D), modality (B, N), image_rc (B, N, 3) -> (B, H, N)
     scores whose order over each head's image tokens is the greedy redundancy-aware order (see the module
     docstring), on the agents' scale; text tokens and padding keep their scores. `pair`: the request's
-    `pair_kernel` when the caller keeps it from one layer to the next (it depends on the prompt alone)."""
+    `pair_kernel` when the caller keeps it from one layer to the next (it depends on the prompt alone).
+    `max_picks`: the most image tokens a head keeps (`PrefillContext.image_keep`): the walk stops there and
+    the image tokens it did not reach rank below the ones it picked, in the agents' order. The greedy order
+    is prefix-consistent, so any budget of at most `max_picks` keeps what the whole walk would keep."""
     if not sel.active:
         return scores
     B, H, N = scores.shape
@@ -104,10 +108,11 @@ def redundancy_scores(
     penalty = torch.zeros_like(z)  # redundancy * max sim to the kept tokens
     gain = z.masked_fill(~img, float("-inf"))
     rank = torch.full((B, H, N), float(N), device=s.device)
-    steps = torch.arange(n_img, device=s.device, dtype=rank.dtype)
-    picks = torch.empty((B, H, n_img), dtype=torch.long, device=s.device)
-    live = torch.empty((B, H, n_img), dtype=torch.bool, device=s.device)
-    for t in range(n_img):
+    walk = n_img if max_picks is None else max(0, min(n_img, int(max_picks)))
+    steps = torch.arange(walk, device=s.device, dtype=rank.dtype)
+    picks = torch.empty((B, H, walk), dtype=torch.long, device=s.device)
+    live = torch.empty((B, H, walk), dtype=torch.bool, device=s.device)
+    for t in range(walk):
         best, j = gain.max(-1)  # (B, H); a row whose image tokens are all taken has best -inf
         picks[..., t] = j
         live[..., t] = best > float("-inf")
@@ -116,7 +121,12 @@ def redundancy_scores(
         gain = (z - penalty).masked_fill(gain == float("-inf"), float("-inf"))
         gain.scatter_(-1, j[..., None], float("-inf"))
     # a row that ran out of image tokens "picks" index 0 again: the lowest rank written to a token wins
-    rank.scatter_reduce_(-1, picks, torch.where(live, steps.expand(B, H, n_img), float(N)), reduce="amin")
+    rank.scatter_reduce_(-1, picks, torch.where(live, steps.expand(B, H, walk), float(N)), reduce="amin")
+    if walk < n_img:  # the image tokens the walk did not reach follow its picks, in the agents' order
+        rest = img & (rank == float(N))
+        order = torch.where(rest, z, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+        place = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=s.device).expand(B, H, N))
+        rank = torch.where(rest, walk + place.to(rank.dtype), rank)
     # image tokens take the head's image scores in greedy order (the t-th picked gets the t-th best score,
     # made strictly decreasing), so they stay on the agents' scale beside the text tokens, which keep theirs
     vals = s.masked_fill(~img, float("-inf")).sort(dim=-1, descending=True).values
