@@ -261,15 +261,19 @@ class PagedLayer(CacheLayerMixin):
 
     # ---- prefill: eviction and pages -------------------------------------------------------------
     def _image_keep(self, policy: Any) -> int | None:
-        """The most image tokens one KV head of this layer keeps, when `choose_kept` fixes that count per
-        head (a uniform budget over the image tokens alone); None when a head may keep more (PyramidKV's
-        schedule, heads sharing the budget, one budget over all tokens)."""
+        """The most image tokens one KV head of this layer keeps under `choose_kept`: the budget's count per
+        head (protected tokens included), or the layer's KV heads' counts together when they share the
+        budget (one head may take them all); None when the count is not bounded that way (PyramidKV's
+        schedule, one budget over all tokens)."""
         cfg, info = self.owner.config, self.owner.info
         alloc = Allocation.of(policy, cfg.head_budget).with_head_budget(cfg.head_budget)
-        if cfg.eviction_scope == "all" or alloc.pyramid_beta is not None or alloc.share_heads:
+        if cfg.eviction_scope == "all" or alloc.pyramid_beta is not None:
             return None
         image = info.modality == IMAGE
-        k = torch.maximum(budget_count(cfg.budget, image.sum(-1)), (info.protected & image).sum(-1))
+        n = image.sum(-1)
+        k = torch.maximum(budget_count(cfg.budget, n), (info.protected & image).sum(-1))
+        if alloc.share_heads:
+            k = torch.minimum(k * self.keys.shape[1], n)
         return int(k.max()) if k.numel() else 0
 
     def finish_prefill(self, query: torch.Tensor, module: Any, scaling: float) -> None:

@@ -180,7 +180,8 @@ def test_a_walk_stopped_at_the_budget_keeps_what_the_whole_walk_keeps(k):
 @pytest.mark.parametrize("budget", [0.1, 0.25])
 def test_the_cache_stops_the_walk_at_the_budget_and_keeps_the_same_tokens(budget, monkeypatch):
     """Through the cache, the walk stops at the layer's per-head image count (`image_keep`) and keeps the
-    tokens the whole walk keeps; a shared head budget gives no count (a head may keep more)."""
+    tokens the whole walk keeps; with a shared head budget the bound is the layer's heads' counts together
+    (one head may keep them all), and the kept tokens are again the whole walk's."""
     from PIL import Image
 
     import mm_oval
@@ -207,6 +208,12 @@ def test_the_cache_stops_the_walk_at_the_budget_and_keeps_the_same_tokens(budget
     monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", real)
     mm_oval.unwrap(model)
     shared = spec.replace("agents=bundled-image", "agents=bundled-image-joint") + ",head_budget=shared"
-    layer = prefill(mm_oval.wrap(model, mm_oval.OvalConfig.from_spec(shared)), **inputs)
-    assert layer.layers[0]._image_keep(layer.eviction) is None
+    mm_oval.wrap(model, mm_oval.OvalConfig.from_spec(shared))
+    cache = prefill(model, **inputs)
+    H = cache.layers[0].keys.shape[1]
+    assert cache.layers[0]._image_keep(cache.eviction) == min(64, H * -(-64 * budget // 1))
+    cut = [layer._p_src.clone() for layer in cache.layers]
+    monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", lambda self, p: None)
+    whole = [layer._p_src.clone() for layer in prefill(model, **inputs).layers]
+    assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(cut, whole))
     mm_oval.unwrap(model)
