@@ -729,7 +729,6 @@ class PagedLayer(CacheLayerMixin):
         out = F.scaled_dot_product_attention(qg, self.keys, self.values, attn_mask=mg, scale=scaling)
         return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
 
-
     def _attend_gathered(
         self, qg: torch.Tensor, read: torch.Tensor, count: torch.Tensor, width: int, scaling: float
     ) -> torch.Tensor:
@@ -834,6 +833,8 @@ class PagedMultimodalCache(Cache):
         """An independent copy (e.g. to ask several questions about one compressed image)."""
         # share what is not per-request state: the model's modules and the policies
         memo: dict[int, Any] = {id(self.eviction): self.eviction, id(self.retrieval): self.retrieval}
+        if self._scratch is not None:  # a step's buffer: the copy makes its own when it needs one
+            memo[id(self._scratch)] = None
         for layer in self.layers:
             m = getattr(layer, "module", None)
             if m is not None:

@@ -531,3 +531,19 @@ def test_bytes_read_counted_per_page_equal_those_counted_per_slot(model_and_proc
             pages = torch.rand(layer.page_len.shape, generator=g) < 0.5
             by_slot = layer._by_modality(layer.slot_valid & pages.gather(-1, layer.slot_page.clamp(min=0)))
             assert torch.equal(layer._pages_by_modality(pages), by_slot)
+
+
+def test_a_copy_of_a_cache_does_not_copy_the_decode_scratch_buffer(model_and_processor):
+    """cache.copy() (one compressed image, several questions) leaves the gathered-decode buffer behind: it
+    holds nothing past a step, and the copy decodes as the original does."""
+    model, processor = model_and_processor
+    mm_oval.wrap(model, retrieval="quest", read_budget=0.25, text_page_size=4)
+    cache = prefill(model, **_inputs(processor))
+    cache.kernels = False
+    layer = cache.layers[0]
+    B, H, _, D = layer.keys.shape
+    q = torch.randn(B, 2 * H, 1, D)
+    cache.scratch(16, layer.keys.dtype, layer.keys.device)
+    twin = cache.copy()
+    assert cache._scratch is not None and twin._scratch is None
+    torch.testing.assert_close(twin.layers[0].attend(q, D**-0.5), layer.attend(q, D**-0.5))
