@@ -68,7 +68,7 @@ from mm_oval.policies.base import (
 )
 from mm_oval.policies.router2 import predict_ahead_hit_rate
 from mm_oval.stats import get_stats
-from mm_oval.training.router import hidden_and_embeds_hooks, zoo_prompts
+from mm_oval.training.router import hidden_and_embeds_hooks, hooked, zoo_prompts
 
 BUDGETS = (0.10, 0.25, 0.50)
 BYTES_BUDGETS = (0.05, 0.10, 0.25, 0.50)  # fractions of dense attention's bytes per decode step
@@ -182,8 +182,7 @@ def quality(
     cap = Capture()
     box: dict[str, Any] = {}
     hooks = hidden_and_embeds_hooks(lm, box)
-    previous = cfg._attn_implementation
-    try:
+    with hooked(model, hooks):
         for prompt in prompts:
             msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
             chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
@@ -368,10 +367,6 @@ def quality(
                     count += 1
                     for metric, m in rows_of.items():
                         heads[metric] += int(m.sum())
-    finally:
-        for h in hooks:
-            h.remove()
-        model.set_attn_implementation(previous)
     q = {f"{name}|{b}|{metric}": v / max(heads[metric], 1) for (name, b, metric), v in sums.items()} | {
         "rows": count,
         "head_rows": heads["image_mass"],

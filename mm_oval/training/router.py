@@ -19,6 +19,8 @@ import copy
 import logging
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,19 @@ def hidden_and_embeds_hooks(lm: Any, box: dict[str, Any]) -> list:
     ]
 
 
+@contextmanager
+def hooked(model: Any, hooks: list) -> Iterator[None]:
+    """Around a capture: on the way out (normally or not) the hooks are removed and the model's attention
+    implementation is the one it had on the way in, whatever the capture switched it to."""
+    previous = model.config._attn_implementation
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_attn_implementation(previous)
+
+
 def _lm(model: Any) -> Any:
     lm = getattr(getattr(model, "model", None), "language_model", None)
     if lm is None or getattr(model.config, "image_token_id", None) is None:
@@ -129,8 +144,6 @@ def capture_router_data(
     text = cfg.text_config
     hq, hkv = text.num_attention_heads, text.num_key_value_heads
     group = hq // hkv
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
     box: dict[str, list] = {"hidden": [], "embeds": []}
 
     def norm_hook(module, args, output):
@@ -145,7 +158,8 @@ def capture_router_data(
         lm.register_forward_pre_hook(pre_hook, with_kwargs=True),
     ]
     out: list[RouterSample] = []
-    try:
+    with hooked(model, hooks):
+        model.set_attn_implementation("eager")
         for prompt in prompts:
             box["hidden"].clear()
             box["embeds"].clear()
@@ -214,10 +228,6 @@ def capture_router_data(
                     tiles=tiles,
                 )
             )
-    finally:
-        for h in hooks:
-            h.remove()
-        model.set_attn_implementation(previous)
     if not out:
         raise DataError("no routed query was captured: the prompts produced no decode step")
     return out
@@ -612,9 +622,8 @@ def capture_router2_data(
     cap = _QKVCapture()
     box: dict[str, Any] = {}
     hooks = hidden_and_embeds_hooks(lm, box)
-    previous = model.config._attn_implementation
     out: list[Router2Sample] = []
-    try:
+    with hooked(model, hooks):
         for prompt in prompts:
             msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
             chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
@@ -689,10 +698,6 @@ def capture_router2_data(
                     base_prev=base_prev,
                 )
             )
-    finally:
-        for h in hooks:
-            h.remove()
-        model.set_attn_implementation(previous)
     if not out:
         raise DataError("no routed query was captured: the prompts produced no decode step")
     return out
