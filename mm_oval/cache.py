@@ -260,13 +260,13 @@ class PagedLayer(CacheLayerMixin):
         self.is_initialized = False
 
     # ---- prefill: eviction and pages -------------------------------------------------------------
-    def _image_keep(self, policy: Any) -> int | None:
+    def _image_keep(self, alloc: Allocation) -> int | None:
         """The most image tokens one KV head of this layer keeps under `choose_kept`: the budget's count per
         head (protected tokens included), or the layer's KV heads' counts together when they share the
         budget (one head may take them all); None when the count is not bounded that way (PyramidKV's
         schedule, one budget over all tokens)."""
         cfg, info = self.owner.config, self.owner.info
-        alloc = Allocation.of(policy, cfg.head_budget).with_head_budget(cfg.head_budget)
+        alloc = alloc.with_head_budget(cfg.head_budget)
         if cfg.eviction_scope == "all" or alloc.pyramid_beta is not None:
             return None
         image = info.modality == IMAGE
@@ -295,6 +295,8 @@ class PagedLayer(CacheLayerMixin):
                     f"eviction method {policy.name!r} reads each layer's hidden states: run it through a "
                     "model wrapped with mm_oval.wrap"
                 )
+            # the budget's division (PyramidKV over the layers that evict, AdaKV over the heads)
+            alloc = Allocation.of(policy, cfg.head_budget)
             ctx = PrefillContext(
                 layer_idx=self.layer_idx,
                 keys=keys,
@@ -309,7 +311,7 @@ class PagedLayer(CacheLayerMixin):
                 request=owner.request,
                 hidden_states=hidden if policy.needs_hidden_states else None,
                 rope=owner.rope,
-                image_keep=self._image_keep(policy),
+                image_keep=self._image_keep(alloc),
             )
             scores = policy.score(ctx)
             if not policy.keep_layer_unchanged(self.layer_idx):
@@ -318,8 +320,6 @@ class PagedLayer(CacheLayerMixin):
                         f"eviction method {policy.name!r} returned scores of shape {tuple(scores.shape)}, "
                         f"expected {(B, H, N)}"
                     )
-                # the budget's division (PyramidKV over the layers that evict, AdaKV over the heads)
-                alloc = Allocation.of(policy, cfg.head_budget)
                 rank, n_evicting = 0, 1
                 if alloc.pyramid_beta is not None:  # only a per-layer schedule needs the layer's place
                     evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]

@@ -186,6 +186,7 @@ def test_the_cache_stops_the_walk_at_the_budget_and_keeps_the_same_tokens(budget
 
     import mm_oval
     import mm_oval.cache as cache_mod
+    from mm_oval.allocation import Allocation
     from mm_oval.modelfiles import load_model
     from mm_oval.wrapper import prefill
 
@@ -211,7 +212,8 @@ def test_the_cache_stops_the_walk_at_the_budget_and_keeps_the_same_tokens(budget
     mm_oval.wrap(model, mm_oval.OvalConfig.from_spec(shared))
     cache = prefill(model, **inputs)
     H = cache.layers[0].keys.shape[1]
-    assert cache.layers[0]._image_keep(cache.eviction) == min(64, H * -(-64 * budget // 1))
+    alloc = Allocation.of(cache.eviction, cache.config.head_budget)
+    assert cache.layers[0]._image_keep(alloc) == min(64, H * -(-64 * budget // 1))
     cut = [layer._p_src.clone() for layer in cache.layers]
     monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", lambda self, p: None)
     whole = [layer._p_src.clone() for layer in prefill(model, **inputs).layers]
