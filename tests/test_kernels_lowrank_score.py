@@ -146,3 +146,22 @@ def test_a_compact_record_with_a_missing_part_is_a_config_error():
         page_score_lowrank_compact(q, {k: v for k, v in rec.items() if k != "coef_scale"}, lengths)
     with pytest.raises(ConfigError, match="basis_q must be"):
         page_score_lowrank_compact(q, dict(rec, basis_q=rec["basis_q"][..., :3, :]), lengths)
+
+
+def test_the_cpu_path_unpacks_the_basis_in_chunks_without_changing_a_score(monkeypatch):
+    """Off CUDA the compact basis is unpacked a few KV heads at a time into one small buffer: the scores
+    do not depend on how many chunks that takes (one head per chunk, a chunk across batch rows, one chunk)."""
+    from mm_oval.kernels.lowrank_score import naive
+
+    from mm_oval.policies.page_summaries import compact_page_bases, scoring_operands
+
+    q, mu, basis, coef, lengths, _ = summaries(2, 3, 2, 33, 7, 8, 3, seed=11)
+    rec = compact_page_bases(mu, basis, coef)
+    want = page_score_lowrank_naive(q, *scoring_operands(rec), lengths, scale=0.2)
+    f = lengths > 0
+    per_head = 7 * 34 * 3  # one KV head's unpacked basis (P pages x 2 ceil(D/2) rows x R)
+    for chunk in (1, per_head, 4 * per_head, 1 << 20):
+        monkeypatch.setattr(naive, "UNPACK_CHUNK", chunk)
+        got = naive.page_score_lowrank_compact_naive(q, rec, lengths, scale=0.2)
+        assert torch.equal(torch.isinf(got), lengths == 0)
+        torch.testing.assert_close(got[f], want[f], rtol=1e-4, atol=1e-4)
