@@ -53,7 +53,7 @@ from .core import (
 )
 from .errors import ConfigError, DataError
 from .geometry import Geometry, fixed_grid_rc
-from .pages import dynamic_labels, gather_pages, layout_pages
+from .pages import dynamic_labels, gather_pages, kept_labels, layout_pages
 from .registry import make_eviction, make_retrieval
 from .stats import RetrievalMonitor
 
@@ -334,15 +334,21 @@ class PagedLayer(CacheLayerMixin):
             cfg.text_page_size,
         )
         sizing = cfg.sizing  # None for fixed pages (dynamic ones need a retrieval method: config.py)
+
+        def labels_of(kept: torch.Tensor):  # None: fixed tiles; "kept": runs of kept image tokens
+            if cfg.page_sizing != "kept":
+                return None
+            return kept_labels(kept, info.modality, info.image_rc, cfg.image_tile, cfg.text_page_size)
+
         if sizing is not None:  # OVAL sizing: pages chosen per layer and KV head from the keys
             labels = dynamic_labels(keys, keep, info.modality, info.image_rc, sizing)
             lay = layout_pages(keep, *args, labels=labels)
         elif keep is valid:  # nothing evicted: every layer has the same layout, built once per request
             lay = owner.request.full_layout
             if lay is None or lay.src.shape[1] != H:
-                lay = owner.request.full_layout = layout_pages(keep, *args)
+                lay = owner.request.full_layout = layout_pages(keep, *args, labels=labels_of(keep))
         else:
-            lay = layout_pages(keep, *args)
+            lay = layout_pages(keep, *args, labels=labels_of(keep))
         src = lay.src.clamp(min=0)
         ok = lay.src >= 0
         exp = lambda t: t.unsqueeze(1).expand(B, H, N)  # noqa: E731

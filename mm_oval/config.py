@@ -28,7 +28,7 @@ from .registry import (
 
 EVICTION_SCOPES = ("image", "all")
 READ_SCOPES = ("image", "all")
-PAGE_SIZINGS = ("fixed", "dynamic")
+PAGE_SIZINGS = ("fixed", "dynamic", "kept")
 DYNAMIC_PAGE_KNOBS = ("page_split", "max_page_tokens", "min_page_tokens", "mean_page_tokens")
 HEAD_BUDGETS = ("uniform", "shared")
 RENAMED = {"scope": "eviction_scope", "retrieval_scope": "read_scope"}
@@ -78,7 +78,9 @@ class OvalConfig:
     # sizing (mm_oval.pages.PageSizing), chosen at prefill per layer and KV head from the keys: pages of
     # min_page_tokens to max_page_tokens tokens, cut while a key lies further from its page's mean key than
     # page_split times the head's key spread, the most spread first, at most one page per mean_page_tokens
-    # kept tokens (the summaries' cost of fixed pages that size); generated text goes in text_page_size pages
+    # kept tokens (the summaries' cost of fixed pages that size); generated text goes in text_page_size pages;
+    # "kept": image pages of image_tile^2 kept tokens, each image's kept patches cut in Z-order
+    # (mm_oval.pages.kept_labels), so pages stay full after eviction (the tiles themselves when none is)
     page_sizing: str = "fixed"
     page_split: float = PageSizing.split
     max_page_tokens: int = PageSizing.max_tokens
@@ -146,7 +148,7 @@ class OvalConfig:
     def _check_page_sizing(self) -> None:
         if self.page_sizing not in PAGE_SIZINGS:
             raise ConfigError(f"page_sizing={self.page_sizing!r} is not one of {PAGE_SIZINGS}")
-        if self.page_sizing == "fixed":
+        if self.page_sizing in ("fixed", "kept"):
             unused = {
                 f.name: getattr(self, f.name)
                 for f in dataclasses.fields(self)
@@ -154,8 +156,8 @@ class OvalConfig:
             }
             if unused:
                 items = ", ".join(f"{k}={v!r}" for k, v in unused.items())
-                raise ConfigError(f"{items} set with page_sizing='fixed': they size dynamic pages; "
-                                  "set page_sizing='dynamic' too, or leave them out")  # fmt: skip
+                raise ConfigError(f"{items} set with page_sizing={self.page_sizing!r}: they size dynamic "
+                                  "pages; set page_sizing='dynamic' too, or leave them out")  # fmt: skip
             return
         if self.image_tile != 2:
             raise ConfigError(

@@ -57,6 +57,58 @@ def fixed_labels(
     return label, n_labels
 
 
+def _morton(rc: torch.Tensor) -> torch.Tensor:
+    """(..., 2) long (row, col) >= 0 -> (...,) long: the Z-order (Morton) code, row and col bits interleaved
+    (row bits the higher of each pair), for rows and cols below 2^20."""
+    code = torch.zeros(rc.shape[:-1], dtype=torch.long, device=rc.device)
+    r, c = rc[..., 0], rc[..., 1]
+    for b in range(20):
+        code |= ((c >> b) & 1) << (2 * b)
+        code |= ((r >> b) & 1) << (2 * b + 1)
+    return code
+
+
+def kept_labels(
+    keep: torch.Tensor, modality: torch.Tensor, image_rc: torch.Tensor, image_tile: int, text_page_size: int
+) -> tuple[torch.Tensor, int]:
+    """Pages over the kept tokens (`page_sizing="kept"`): text pages as `fixed_labels`; each image's kept
+    patches, in Z-order (Morton order) of its grid, cut into runs of image_tile^2 -> (B, Hkv, N) page label
+    of each kept token (-1 for the others) and the number of labels.
+
+    After eviction a fixed tile holds only the tokens its head kept (a 4x4 tile about 1.6 at 10% kept),
+    while its summary costs what a full tile's does, so a small kept cache spends its read budget on
+    summaries. A run of image_tile^2 kept tokens is as full as a tile of the full cache and, Z-order
+    keeping neighbours together, spans a compact patch of the image (wider where the head kept fewer
+    tokens). With nothing evicted, a power-of-two image_tile and a grid whose sides are multiples of it,
+    the runs are exactly the image_tile x image_tile tiles."""
+    B, H, N = keep.shape
+    mod = modality.unsqueeze(1).expand(B, H, N)
+    label, n_labels = fixed_labels(keep & (mod != IMAGE), modality, image_rc, image_tile, text_page_size)
+    is_img = keep & (mod == IMAGE)
+    if not bool(is_img.any()):
+        return label, n_labels
+    run = image_tile * image_tile
+    rc = image_rc.clamp(min=0)
+    n_images = int(rc[..., 0].max()) + 1
+    img = rc[..., 0].unsqueeze(1).expand(B, H, N)
+    code = _morton(rc[..., 1:3]).unsqueeze(1).expand(B, H, N)
+    big = torch.iinfo(torch.long).max
+    key = torch.where(is_img, img * (int(code.max()) + 1) + code, big)
+    order = key.argsort(dim=-1, stable=True)
+    sorted_img = torch.where(is_img.gather(-1, order), img.gather(-1, order), n_images)
+    # place of each kept image token among its image's kept tokens: its sorted place minus the number of
+    # kept tokens of the images before it
+    count = torch.zeros(B, H, n_images + 1, dtype=torch.long, device=keep.device)
+    count.scatter_add_(-1, sorted_img, torch.ones_like(sorted_img))
+    before = count.cumsum(-1) - count
+    place = torch.arange(N, device=keep.device).expand(B, H, N) - before.gather(-1, sorted_img)
+    per_image = -(-(int(rc[..., 1].max()) + 1) * (int(rc[..., 2].max()) + 1) // run)  # runs an image can hold
+    run_label = n_labels + sorted_img * per_image + place // run
+    img_label = torch.empty_like(run_label).scatter_(-1, order, run_label)
+    label = torch.where(is_img, img_label, label)
+    return label, n_labels + n_images * per_image
+
+
 @dataclass(frozen=True)
 class PageSizing:
     """OVAL's page sizing: pages small where the keys (so the attention a query can give them) vary, large
