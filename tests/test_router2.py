@@ -18,6 +18,7 @@ from mm_oval.policies.base import (
     StepState,
     make_retrieval,
 )
+from mm_oval.policies.page_summaries import quantize_int8
 from mm_oval.policies.router import pool_page_content
 from mm_oval.policies.router2 import (
     Router2Config,
@@ -282,3 +283,45 @@ def test_train_router_version_2_saves_each_epoch_resumes_and_serves(tiny_random_
     mm_oval.wrap(model, retrieval="router2", retrieval_options={"weights": str(out)}, read_budget=0.25)
     mm_oval.unwrap(model)
     assert main([*argv, "--base-options", "[1]"]) == 2  # a user error: one line, exit status 2
+
+
+def test_over_a_compact_base_the_router_record_is_int8_and_scores_what_the_float_record_scores(
+    tiny_random_llava,
+):
+    """record_format 'auto' follows the base: over compact OVAL the page embedding is int8 with an fp16 scale
+    per page (route_dim + 2 bytes, counted), and the correction it gives is the float record's to within
+    the int8 rounding."""
+    model, processor = tiny_random_llava
+    net = new_router2(model, route_dim=16, base="oval", base_options={"summary_format": "compact"})
+    _randomise_correction(net, seed=3)
+    inputs = _inputs(processor, zoo_prompts(1, seed=7)[0])
+    reads, policies = {}, {}
+    for fmt in ("auto", "float"):
+        opts = {"net": net, "record_format": fmt}
+        model, _, _, reads[fmt], policies[fmt] = _run(model, inputs, "router2", opts, 3, read_budget=0.25)
+    assert policies["auto"].record_format == "compact" and policies["float"].record_format == "float"
+    assert reads["auto"]["summaries"] < reads["float"]["summaries"]
+    # the same page embeddings in either record: the corrections agree to the rounding
+    small = Router2Net(Router2Config(hidden_size=24, num_layers=1, num_kv_heads=2, route_dim=8))
+    _randomise_correction(small, seed=4)
+    emb = torch.randn(1, 2, 6, 8)
+    q, scale = quantize_int8(emb, 1)
+    kmin = torch.randn(1, 2, 6, 16)
+    one = _ctx(torch.randn(1, 4, 1, 16), {"kmin": kmin, "kmax": kmin + 1.0})  # one query and hidden state
+    ctxs = {}
+    for fmt, record in (("float", {"r2_emb": emb}), ("compact", {"r2_emb_q": q, "r2_emb_scale": scale})):
+        pol = Router2Retrieval(net=small, record_format=fmt)
+        ctxs[fmt] = (pol, dataclasses.replace(one, summaries=one.summaries | record))
+    base = ctxs["float"][0].base_scores(ctxs["float"][1])
+    corr = {fmt: pol.score_pages(ctx) - base for fmt, (pol, ctx) in ctxs.items()}
+    spread = float(corr["float"].max() - corr["float"].min())
+    assert spread > 0 and float((corr["compact"] - corr["float"]).abs().max()) <= 0.02 * spread
+    page_len = torch.full((1, 2, 3), 4)
+    quest = Router2Retrieval(weights="none", base="quest", base_options={"summary_format": "compact"})
+    assert quest.record_format == "compact"
+    bounds = torch.zeros(1, 2, 3, 32, dtype=torch.int8)
+    base = {"kmin_q": bounds, "kmax_q": bounds, "bound_scale": torch.zeros(1, 2, 3, dtype=torch.float16)}
+    record = {"r2_emb_q": torch.zeros(1, 2, 3, 16, dtype=torch.int8), "r2_emb_scale": torch.zeros(1, 2, 3)}
+    assert torch.equal(quest.summary_bytes(base | record, page_len), quest.base.summary_bytes(base, page_len) + 18)
+    with pytest.raises(ConfigError, match="record_format must be"):
+        Router2Retrieval(weights="none", record_format="int4")

@@ -18,8 +18,9 @@ For one decode step, layer l and KV head h, page j's logit is
   selects exactly what its base scorer selects; training (mm_oval.training.router, `mm-oval train-router
   --version 2`) distils full attention's page mass into base + correction.
 
-Per page the router reads its own record, e_j (route_dim entries in the model's dtype), besides the base
-scorer's summary: `summary_bytes` counts both. Page embeddings are projected per token to route_dim before
+Per page the router reads its own record, e_j (route_dim entries in the model's dtype; over a compact base,
+int8 with one fp16 scale per page: `record_format`), besides the base scorer's summary: `summary_bytes`
+counts both. Page embeddings are projected per token to route_dim before
 pooling, so no (pages x tokens x hidden) gather is ever made.
 
 `predict_ahead="step"` scores step t+1's pages from step t's state: the base scorer gets the previous step's
@@ -52,6 +53,7 @@ from .base import (
     register_retrieval,
     select_by_score,
 )
+from .page_summaries import SUMMARY_FORMATS, dequantize_int8, quantize_int8
 from .router import LoRALinear, check_signature, load_weights_dir, save_weights_dir
 
 WEIGHTS_FILE = "router2.safetensors"
@@ -234,11 +236,12 @@ def load_router2(path: str | Path, model: Any = None) -> Router2Net:
 
 # weights=NAME -> mm_oval.zoo package data folder: the 576-token model's router v2 over Quest on 2x2 tiles
 # (float bounds), over compact Quest on 4x4 tiles (`image_tile=4`, what fits a 25% bytes budget), and over
-# compact OVAL on 4x4 tiles (`image_tile=4`)
+# compact OVAL on 4x4 tiles (`image_tile=4`), rank 8 and rank 2
 BUNDLED = {
     "bundled576": "tiny_llava576_router2",
     "bundled576-quest4c": "tiny_llava576_router2_quest4c",
     "bundled576-oval4c": "tiny_llava576_router2_oval4c",
+    "bundled576-oval4c-r2": "tiny_llava576_router2_oval4c_r2",
 }
 
 
@@ -285,13 +288,18 @@ def predicted_context(ctx: DecodeContext, previous_query: torch.Tensor | None) -
     return dataclasses.replace(ctx, query=previous_query)
 
 
+RECORD_KEYS = ("r2_emb", "r2_emb_q", "r2_emb_scale")  # the router's own page record, either format
+
+
 @register_retrieval
 class Router2Retrieval(RetrievalPolicy):
     """Router v2 (module docstring). Options: `weights` (a router2 directory, a bundled name such as
     "bundled576", or "none": no correction, the base scorer alone; weights whose correction is exactly zero
     act as "none"), `base` ("quest" or "oval"; with trained
     weights, the one they were trained on), `base_options` (the base scorer's options), `predict_ahead`
-    ("off" or "step"), `gcn_budget` (the share of candidates a step counts as read in the co-read graph)."""
+    ("off" or "step"), `gcn_budget` (the share of candidates a step counts as read in the co-read graph),
+    `record_format` ("auto": the base's summary_format; "float": the page embedding in the model's dtype;
+    "compact": int8 with one fp16 scale per page, route_dim + 2 bytes)."""
 
     name: ClassVar[str] = "router2"
     needs_inputs_embeds: ClassVar[bool] = True
@@ -308,6 +316,7 @@ class Router2Retrieval(RetrievalPolicy):
         check_weights: bool = True,
         gcn_budget: float = 0.25,
         skip_zero: bool = True,
+        record_format: str = "auto",
     ):
         if predict_ahead not in ("off", "step"):
             raise ConfigError(f"router2: predict_ahead must be 'off' or 'step', got {predict_ahead!r}")
@@ -331,6 +340,12 @@ class Router2Retrieval(RetrievalPolicy):
             raise ConfigError(f"router2: base must be one of {', '.join(BASES)}, got {self.base_name!r}")
         opts = dict(trained.base_options if trained is not None else {}) | dict(base_options or {})
         self.base = make_retrieval(self.base_name, **opts)
+        if record_format not in ("auto", *SUMMARY_FORMATS):
+            raise ConfigError(
+                f"router2: record_format must be 'auto', 'float' or 'compact', got {record_format!r}"
+            )
+        base_format = getattr(self.base, "summary_format", "float")
+        self.record_format = base_format if record_format == "auto" else record_format
         self.predict_ahead = predict_ahead
         self.check_weights = check_weights
         self.gcn_budget = float(gcn_budget)
@@ -370,17 +385,30 @@ class Router2Retrieval(RetrievalPolicy):
             else:
                 emb = pool_token_embeddings(net.token_embeddings(embeds), token_index)
                 emb = emb + net.kind_emb((pages.kind == IMAGE).long())
-        out["r2_emb"] = emb.to(dtype)  # (B, Hkv, P, R): the router's own per-page record
+        if self.record_format == "compact":  # int8, one fp16 scale per page
+            out["r2_emb_q"], out["r2_emb_scale"] = quantize_int8(emb, 1)
+        else:
+            out["r2_emb"] = emb.to(dtype)  # (B, Hkv, P, R): the router's own per-page record
         return out
 
     def _base_summaries(self, summaries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in summaries.items() if k != "r2_emb"}
+        return {k: v for k, v in summaries.items() if k not in RECORD_KEYS}
+
+    @staticmethod
+    def page_embeddings(summaries: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The router's page record as fp32 (B, Hkv, P, R), from either format."""
+        if "r2_emb_q" in summaries:
+            return dequantize_int8(summaries["r2_emb_q"], summaries["r2_emb_scale"])
+        return summaries["r2_emb"].float()
 
     def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
-        """The base scorer's summary bytes plus the router's page embedding (route_dim entries, its dtype)."""
+        """The base scorer's summary bytes plus the router's page embedding (route_dim entries in its dtype,
+        or route_dim int8 entries and a 2-byte scale)."""
         own = self.base.summary_bytes(self._base_summaries(summaries), page_len)
-        e = summaries.get("r2_emb")
-        if e is not None:
+        if "r2_emb_q" in summaries:
+            own = own + summaries["r2_emb_q"].shape[-1] + 2
+        elif "r2_emb" in summaries:
+            e = summaries["r2_emb"]
             own = own + e.shape[-1] * e.element_size()
         return own
 
@@ -418,7 +446,7 @@ class Router2Retrieval(RetrievalPolicy):
             history = self._gcn_history(ctx) if self.net.config.gcn else None
             corr = self.net.correction(
                 cached[1],
-                ctx.summaries["r2_emb"].float(),
+                self.page_embeddings(ctx.summaries),
                 ctx.page_kind,
                 ctx.page_len > 0,
                 base,
