@@ -17,6 +17,7 @@ from mm_oval.policies.base import (
     RequestState,
     StepState,
     make_retrieval,
+    select_by_score,
 )
 from mm_oval.policies.page_summaries import quantize_int8
 from mm_oval.policies.router import pool_page_content
@@ -325,3 +326,39 @@ def test_over_a_compact_base_the_router_record_is_int8_and_scores_what_the_float
     assert torch.equal(quest.summary_bytes(base | record, page_len), quest.base.summary_bytes(base, page_len) + 18)
     with pytest.raises(ConfigError, match="record_format must be"):
         Router2Retrieval(weights="none", record_format="int4")
+
+
+def test_below_min_read_pages_a_head_reads_what_its_base_chooses():
+    torch.manual_seed(0)
+    small = Router2Net(Router2Config(hidden_size=24, num_layers=1, num_kv_heads=2, route_dim=8))
+    _randomise_correction(small, seed=5)
+    kmin = torch.randn(1, 2, 6, 16)
+    ctx = _ctx(torch.randn(1, 4, 1, 16), {"kmin": kmin, "kmax": kmin + 1.0, "r2_emb": torch.randn(1, 2, 6, 8)})
+    base = select_by_score(Router2Retrieval(weights="none").score_pages(ctx), ctx.candidates, 0.5)
+    gated = {}
+    for floor in (1, 3, 4):
+        small.config.min_read_pages = floor
+        gated[floor] = Router2Retrieval(net=small).select(ctx, 0.5)  # 3 of 6 pages per head
+    assert not torch.equal(gated[1], base)  # the correction moves the choice ...
+    assert torch.equal(gated[3], gated[1])  # ... where a head reads at least min_read_pages ...
+    assert torch.equal(gated[4], base)  # ... and below it the base chooses
+
+
+def test_min_read_pages_is_where_the_correction_stops_being_behind_on_held_out_prompts(monkeypatch):
+    import mm_oval.training.router as tr
+
+    class Sample:
+        candidate = torch.ones(10, dtype=torch.bool)
+
+    def fake(table):
+        return lambda net, val, read_budget=0.25, read_pages=None: {"base": 0.5, "router2": table[read_pages]}
+
+    cases = [
+        ({1: 0.4, 2: 0.45, 3: 0.5, 4: 0.6, 5: 0.6}, 3),  # behind at 1-2 pages: the base below 3
+        ({1: 0.6, 2: 0.6, 3: 0.6, 4: 0.4, 5: 0.6}, 5),  # behind at 4: only the reads above it
+        ({k: 0.6 for k in range(1, 6)}, 1),  # never behind: always on
+    ]
+    for table, want in cases:
+        monkeypatch.setattr(tr, "evaluate_router2", fake(table))
+        floor, rows = tr.fit_min_read_pages(None, [Sample()], max_share=0.5)
+        assert floor == want and [r["pages"] for r in rows] == [1, 2, 3, 4, 5]

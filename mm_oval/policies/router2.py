@@ -83,6 +83,9 @@ class Router2Config:
     gcn_window: int = 8  # steps of page reads the co-read graph holds
     model: dict[str, Any] = field(default_factory=dict)
     page_init: str = "pca"
+    # a KV head whose step reads fewer pages than this uses its base's choice: below it, the correction
+    # chose worse than the base on the held-out prompts (`training.router.fit_min_read_pages`)
+    min_read_pages: int = 1
 
     def validate(self) -> None:
         for name in (
@@ -93,6 +96,7 @@ class Router2Config:
             "mlp_hidden",
             "lora_rank",
             "gcn_window",
+            "min_read_pages",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -426,9 +430,13 @@ class Router2Retrieval(RetrievalPolicy):
         return self.base.score_pages(sub).float().clamp(min=BASE_FLOOR)
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
+        return self._scores(ctx)[1]
+
+    def _scores(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(base scores, base + correction) of this step (the base asked once: predict-ahead keeps state)."""
         base = self.base_scores(ctx)
         if self.net is None:
-            return base
+            return base, base
         hidden = ctx.step.last_hidden
         if hidden is None:
             raise ConfigError(
@@ -453,7 +461,7 @@ class Router2Retrieval(RetrievalPolicy):
                 ctx.layer_idx,
                 history,
             )
-        return base + corr
+        return base, base + corr
 
     def _gcn_history(self, ctx: DecodeContext) -> torch.Tensor:
         h = self._history.get(ctx)
@@ -463,8 +471,12 @@ class Router2Retrieval(RetrievalPolicy):
         return torch.nn.functional.pad(h, (0, p - h.shape[-1])) if h.shape[-1] < p else h[..., :p]
 
     def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor | BytesBudget) -> torch.Tensor:
-        scores = self.score_pages(ctx)
+        base_scores, scores = self._scores(ctx)
         chosen = select_by_score(scores, ctx.candidates, read_budget)
+        floor = self.net.config.min_read_pages if self.net is not None else 1
+        if floor > 1:  # where a head reads fewer pages than that, its base chooses them
+            base = select_by_score(base_scores, ctx.candidates, read_budget)
+            chosen = torch.where((base.sum(-1) < floor).unsqueeze(-1), base, chosen)
         if self.net is not None and self.net.config.gcn:  # what the co-read graph of later steps holds
             read = select_by_score(scores, ctx.candidates, self.gcn_budget)
             h = torch.cat([self._gcn_history(ctx), read.unsqueeze(-2)], -2)

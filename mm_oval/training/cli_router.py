@@ -252,5 +252,16 @@ def run2(args: argparse.Namespace) -> int:
             h["val10_router2"], h["val25_router2"], h["val10_base"], h["val25_base"],
             h["val10_oracle"], h["val25_oracle"],
         )  # fmt: skip
+        from .router import fit_min_read_pages
+
+        floor, by_pages = fit_min_read_pages(net, sets["val"])
+        net.config.min_read_pages = floor
+        save_router2(net, out)
+        behind = [r["pages"] for r in by_pages if r["router2"] < r["base"]]
+        log.info(
+            "held-out reads of 1-%d pages where the correction chooses worse than its base: %s; below %d pages "
+            "a step uses the base's choice (min_read_pages)",
+            len(by_pages), behind or "none", floor,
+        )  # fmt: skip
     log.info("router v2 written to %s", out)
     return 0

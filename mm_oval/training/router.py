@@ -931,8 +931,11 @@ def _held_out_score(net: Any, val: list[Router2Sample], budgets: tuple[float, ..
 
 
 @torch.no_grad()
-def evaluate_router2(net: Any, samples: list[Router2Sample], read_budget: float = 0.25) -> dict[str, float]:
-    """Share of the candidate pages' attention mass held by the top ceil(read_budget * candidates) pages, per
+def evaluate_router2(
+    net: Any, samples: list[Router2Sample], read_budget: float = 0.25, read_pages: int | None = None
+) -> dict[str, float]:
+    """Share of the candidate pages' attention mass held by the top ceil(read_budget * candidates) pages
+    (`read_pages`: that many pages instead, at most the candidates), per
     routed query, layer and KV head (those with mass on the candidates), averaged: `base` (the base scorer
     alone), `router2` (base + correction), `oracle`; `*_ahead`: the same from the previous position's query
     (predict-ahead), and `hit_*`: the share of the exact pick the predict-ahead pick holds."""
@@ -944,7 +947,10 @@ def evaluate_router2(net: Any, samples: list[Router2Sample], read_budget: float 
     for start in range(0, len(samples), 32):
         b = collate2(samples[start : start + 32], window)
         n_cand = b.candidate.sum(-1)
-        k = torch.ceil(n_cand.double() * read_budget - 1e-9).long().clamp(min=1).view(-1, 1, 1)
+        if read_pages is None:
+            k = torch.ceil(n_cand.double() * read_budget - 1e-9).long().clamp(min=1).view(-1, 1, 1)
+        else:
+            k = n_cand.clamp(max=int(read_pages)).clamp(min=1).view(-1, 1, 1)
         cand = b.candidate.unsqueeze(1)
         for layer in range(b.mass.shape[1]):
             m = b.mass[:, layer] * cand
@@ -969,6 +975,28 @@ def evaluate_router2(net: Any, samples: list[Router2Sample], read_budget: float 
                 sums["hit_" + name] += float(hit[looks].sum())
             rows += int(looks.sum())
     return {name: v / max(rows, 1) for name, v in sums.items()} | {"rows": rows}
+
+
+def fit_min_read_pages(
+    net: Any, val: list[Router2Sample], max_share: float = 0.5
+) -> tuple[int, list[dict[str, float]]]:
+    """The fewest pages a step must read for the correction to be used (`Router2Config.min_read_pages`):
+    the smallest k such that, on the held-out samples, base + correction holds at least the base's share of
+    the attention mass at every read of k .. ceil(max_share * candidates) pages. A router that only helps
+    when it reads several pages thus falls back to its base below that, rather than choosing worse (the
+    read counts where it is behind are in the returned rows: pages, base, router2)."""
+    n_cand = max(int(s.candidate.sum()) for s in val)
+    top = max(1, math.ceil(n_cand * max_share - 1e-9))
+    rows = []
+    for k in range(1, top + 1):
+        r = evaluate_router2(net, val, read_pages=k)
+        rows.append({"pages": k, "base": r["base"], "router2": r["router2"]})
+    floor = top + 1
+    for row in reversed(rows):  # the longest run of reads, up from the top, where the router is not behind
+        if row["router2"] < row["base"]:
+            break
+        floor = row["pages"]
+    return floor, rows
 
 
 def new_router2(model: Any, base: str = "quest", **sizes: Any) -> Any:
