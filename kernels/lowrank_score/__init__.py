@@ -48,7 +48,8 @@ def page_score_lowrank_compact(
     """`page_score_lowrank` of a compact record (docs/oval.md "Compact summaries": mu_q (B, Hkv, P, D) int8
     and mu_scale (B, Hkv, P), basis_q (B, Hkv, P, ceil(D/2), R) uint8 two int4 rows per byte and
     basis_scale (B, Hkv, P, R), coef_q (B, Hkv, P, T, R) int8 and coef_scale (B, Hkv, P)). The Triton
-    kernel reads the record as stored and unpacks it in registers; the reference unpacks it to fp32."""
+    kernel reads the record as stored and unpacks it in registers; the reference unpacks the basis to
+    fp32 a few KV heads at a time (naive.py)."""
     what = "page_score_lowrank_compact"
     missing = [k for k in COMPACT_KEYS if k not in record]
     check(not missing, f"{what}: the compact record lacks {missing}")

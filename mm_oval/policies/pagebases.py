@@ -86,7 +86,7 @@ class _BasisRetrieval(RetrievalPolicy):
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         sm = ctx.summaries
-        if self.summary_format == "compact":  # read as stored by the kernel (unpacked to fp32 off CUDA)
+        if self.summary_format == "compact":  # read as stored (off CUDA: unpacked in small chunks)
             rows = [
                 page_score_lowrank_compact(ctx.query[:, :, i], sm, ctx.page_len, ctx.scaling)
                 for i in range(ctx.query.shape[2])
