@@ -79,9 +79,12 @@ SUMMARY_TEMP_SHARE = 0.25
 
 # what a decode step reads, the rows of `PagedLayer._read_t` (see mm_oval.stats, `bytes_read`)
 READ_KINDS = ("summaries", "selected", "always_read", "dense")
-# off the kernel path, a decode step whose KV heads read at most this share of the slots attends over the
-# read slots gathered (PagedLayer._attend_gathered) rather than over every slot with a mask
+# off the kernel path, a decode step attends over the pages it reads gathered (PagedLayer._attend_gathered)
+# rather than over every slot with a mask when the gathered width (the most pages a KV head reads times the
+# longest page read) is at most this share of the slots
 GATHER_SHARE = 0.5
+# the gathered keys and values of the KV heads one SDPA call takes at a time (a share of a core's cache)
+GATHER_CHUNK_BYTES = 1 << 20
 
 
 def kv_bytes_per_token(keys: torch.Tensor) -> int:
@@ -678,9 +681,11 @@ class PagedLayer(CacheLayerMixin):
     def read_mask(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """(B, Hkv, Q, L) bool: the slots each KV head reads for the Q newest tokens (None: all of them,
         one new token)."""
+        return self._slot_mask(self.read_pages(query, scaling), query.shape[2])
+
+    def _slot_mask(self, pages: torch.Tensor | None, q: int) -> torch.Tensor | None:
+        """The slots of the pages read (`read_pages`' answer) as `read_mask` gives them."""
         B, H, L = self.slot_valid.shape
-        q = query.shape[2]
-        pages = self.read_pages(query, scaling)
         if pages is None and q == 1 and self.all_valid:
             return None
         slots = self.slot_valid
@@ -690,18 +695,19 @@ class PagedLayer(CacheLayerMixin):
             return slots.unsqueeze(2)
         mask = slots.unsqueeze(2).expand(B, H, q, L).clone()
         # the q newest slots: causal among themselves
-        mask[..., L - q :] &= torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
+        mask[..., L - q :] &= torch.ones(q, q, dtype=torch.bool, device=slots.device).tril()
         return mask
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Exact attention of `query` (B, Hq, Q, D) over the slots read; returns (B, Q, Hq, D).
         One token on the kernel path (CUDA by default): mm_oval.kernels.sparse_paged_decode over the pages
-        read; otherwise SDPA with a per-head mask."""
+        read; otherwise SDPA, over the pages read gathered (`_attend_gathered`) when they are a small share
+        of the cache, else over every slot with a per-head mask."""
         B, Hq, q, D = query.shape
         H = self.keys.shape[1]
         G = Hq // H
+        pages = self.read_pages(query, scaling)  # (B, H, P) bool or None (every page)
         if q == 1 and self.owner.use_kernels(query):
-            pages = self.read_pages(query, scaling)
             read = (self.page_len > 0) if pages is None else pages
             P = read.shape[-1]
             page_idx = torch.where(read, torch.arange(P, device=read.device), -1)
@@ -717,16 +723,16 @@ class PagedLayer(CacheLayerMixin):
                 max_page_len=cfg.max_page_len,
             )
             return out.unsqueeze(1)
-        mask = self.read_mask(query, scaling)  # (B, H, q, L) or None
         # GQA without repeating keys: the G query heads of a KV head become G * q rows
         qg = query.reshape(B, H, G * q, D)
-        if q == 1 and mask is not None and self.owner.retrieval is not None:
-            read = mask[:, :, 0]
-            count = read.sum(-1)  # (B, H)
-            width = int(count.max())
-            if width <= GATHER_SHARE * read.shape[-1]:  # a sparse step: attend over the slots read only
-                out = self._attend_gathered(qg, read, count, width, scaling)
+        if q == 1 and pages is not None:
+            # the most pages a KV head reads and the longest page read: the gathered width is their product;
+            # a sparse step attends over the pages read only
+            n_pages, longest = torch.stack([pages.sum(-1).max(), (self.page_len * pages).max()]).tolist()
+            if 0 < n_pages * longest <= GATHER_SHARE * self.keys.shape[2]:
+                out = self._attend_gathered(qg, pages, n_pages, max(longest, 1), scaling)
                 return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
+        mask = self._slot_mask(pages, q)  # (B, H, q, L) or None
         mg = (
             None
             if mask is None
@@ -736,32 +742,65 @@ class PagedLayer(CacheLayerMixin):
         return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
 
     def _attend_gathered(
-        self, qg: torch.Tensor, read: torch.Tensor, count: torch.Tensor, width: int, scaling: float
+        self, qg: torch.Tensor, pages: torch.Tensor, width: int, block: int, scaling: float
     ) -> torch.Tensor:
-        """SDPA of `qg` (B, H, G, D) over the slots `read` (B, H, L) bool only: each KV head's read slots,
-        in slot order, gathered into (B, H, width, D) in the storage dtype (`count` (B, H) per head; the
-        rows past a head's count masked). The same attention as the masked SDPA over every slot; a decode
-        step that reads a small share of the cache moves only that share (off the kernel path). The
-        gathered keys and values go to a buffer the cache's layers share (`PagedMultimodalCache.scratch`):
-        at most GATHER_SHARE of one layer's KV, allocated once rather than at every step and layer."""
-        B, H, L = read.shape
-        D = self.keys.shape[-1]
-        dev = read.device
-        flat = read.reshape(-1).nonzero().squeeze(1)  # the read slots of every head, head after head
-        head = flat // L
-        first = (count.reshape(-1).cumsum(0) - count.reshape(-1))[head]  # where its head's run begins
-        # rows of the storage (B, H, capacity, D), which `keys` views: flat without a copy
-        cap = self._k.shape[2]
-        rows = torch.zeros(B * H * width, dtype=torch.long, device=dev)  # padding rows read slot 0
-        rows[head * width + torch.arange(flat.numel(), device=dev) - first] = flat + head * (cap - L)
-        buf = self.owner.scratch(2 * B * H * width * D, self._k.dtype, dev).view(2, B * H * width, D)
-        # rows copied as 8-byte words where they divide evenly (index_select is faster on fewer, wider items)
+        """SDPA of `qg` (B, H, G, D) over the pages `pages` (B, H, P) bool only: each KV head's read pages,
+        in page order, copied as blocks of `block` slots (the longest page read) into (B, H, width * block,
+        D) in the storage dtype, `width` the most pages a head reads; the rows past a page's slots, a
+        head's padding blocks and empty slots are masked. The same attention as the masked SDPA over every
+        slot (a page's slots are the run page_start .. page_start + page_len of its head's storage); a
+        decode step that reads a small share of the cache moves only that share, one copy per page, and
+        builds nothing the size of the cache (off the kernel path). The KV heads go a few at a time (their
+        gathered keys and values about GATHER_CHUNK_BYTES), each group's SDPA reading its blocks while the
+        copy left them in the CPU's cache, through a buffer the cache's layers share
+        (`PagedMultimodalCache.scratch`), allocated once rather than at every step and layer."""
+        B, H, P = pages.shape
+        cap, D = self._k.shape[2], self._k.shape[3]
+        dev = pages.device
+        # each head's read pages in page order, as columns 0 .. width-1; the other pages go to column width
+        col = torch.where(pages, pages.cumsum(-1) - 1, width)
+        start = torch.zeros(B, H, width + 1, dtype=torch.long, device=dev)
+        length = torch.zeros_like(start)
+        start.scatter_(-1, col, self.page_start)
+        length.scatter_(-1, col, self.page_len * pages)  # padding columns: no slot
+        # the first row of each block in the flat storage (B * H * cap rows); a block that would run past
+        # the storage's end starts earlier, its page's slots `shift` rows into it
+        n_rows = B * H * cap
+        head = torch.arange(B * H, device=dev).view(B, H, 1) * cap
+        first = (head + start[..., :width]).reshape(-1)
+        row0 = first.clamp(max=n_rows - block)
+        shift = (first - row0).view(-1, 1)
+        length = length[..., :width].reshape(-1, 1)
+        t = torch.arange(block, device=dev)
+        valid_windows = self._valid.view(n_rows).as_strided((n_rows - block + 1, block), (1, 1))
+        valid = torch.index_select(valid_windows, 0, row0) & (t >= shift) & (t < shift + length)
+        valid = valid.view(B * H, 1, 1, width * block)
+        # blocks copied as 8-byte words where a slot's row divides evenly (fewer, wider items copy faster);
+        # the blocks are overlapping windows of the storage, one per slot, of which index_select takes some
         word = torch.int64 if (D * self._k.element_size()) % 8 == 0 else self._k.dtype
-        for store, out in ((self._k, buf[0]), (self._v, buf[1])):
-            torch.index_select(store.reshape(B * H * cap, D).view(word), 0, rows, out=out.view(word))
-        k, v = buf[0].view(B, H, width, D), buf[1].view(B, H, width, D)
-        valid = (torch.arange(width, device=dev) < count[..., None]).unsqueeze(2)  # (B, H, 1, width)
-        return F.scaled_dot_product_attention(qg, k, v, attn_mask=valid, scale=scaling)
+        windows = []
+        for store in (self._k, self._v):
+            flat = store.view(n_rows, D).view(word)
+            w = flat.shape[1]
+            windows.append(flat.as_strided((n_rows - block + 1, block * w), (w, 1)))
+        # a few KV heads at a time, so that SDPA reads the blocks while the copy left them in cache
+        heads = B * H
+        per_head = 2 * width * block * D * self._k.element_size()
+        c = max(1, min(heads, GATHER_CHUNK_BYTES // per_head))
+        buf = self.owner.scratch(2 * c * width * block * D, self._k.dtype, dev).view(2, c, width * block, D)
+        qf = qg.reshape(heads, 1, qg.shape[2], D)
+        out = qf.new_empty(qf.shape)
+        rows = row0.view(heads, width)
+        for a in range(0, heads, c):
+            b = min(heads, a + c)
+            idx = rows[a:b].reshape(-1)
+            k, v = buf[0, : b - a], buf[1, : b - a]
+            torch.index_select(windows[0], 0, idx, out=k.view(word).view(idx.numel(), -1))
+            torch.index_select(windows[1], 0, idx, out=v.view(word).view(idx.numel(), -1))
+            out[a:b] = F.scaled_dot_product_attention(
+                qf[a:b], k.unsqueeze(1), v.unsqueeze(1), attn_mask=valid[a:b], scale=scaling
+            )
+        return out.view(qg.shape)
 
 
 class PagedMultimodalCache(Cache):

@@ -447,7 +447,7 @@ def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model
     gathered = []
     real = cache_mod.PagedLayer._attend_gathered
     monkeypatch.setattr(
-        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[3]) or real(self, *a)
+        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[2] * a[3]) or real(self, *a)
     )
     for layer in cache.layers:
         B, H, _, D = layer.keys.shape
@@ -470,13 +470,77 @@ def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model
     cache = prefill(model, **inputs)
     cache.kernels = False
     monkeypatch.setattr(
-        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[3]) or real(self, *a)
+        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[2] * a[3]) or real(self, *a)
     )
     layer = cache.layers[0]
     B, H, _, D = layer.keys.shape
     n = len(gathered)
     layer.attend(torch.randn(B, 2 * H, 1, D), D**-0.5)
     assert len(gathered) == n  # reading every page: the masked SDPA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "setup",
+    [
+        {"method": "snapkv", "budget": 0.5},  # evicted slots: ragged image pages, heads of different lengths
+        {"page_sizing": "dynamic", "page_split": 0.5, "min_page_tokens": 1},  # pages of 1..32 tokens
+    ],
+)
+def test_the_gathered_pages_give_the_masked_attention_whatever_pages_are_read(
+    model_and_processor, monkeypatch, dtype, setup
+):
+    """Off the kernel path, attention over the read pages copied as blocks equals SDPA over every slot with
+    the per-head mask, for any pages read: a different number per KV head and sample (batch 2, padded
+    prompts), image and text pages, ragged ones, decode pages after the prompt with a padded decode slot,
+    and the last page of the storage read by a block that would run past its end."""
+    import mm_oval.cache as cache_mod
+
+    model, processor = model_and_processor
+    inputs = _inputs(processor)
+    mm_oval.wrap(model, retrieval="quest", read_budget=0.25, text_page_size=4, **setup)
+    cache = prefill(model, **inputs)
+    cache.kernels = False
+    gathered = []  # the block of each gathered step
+    real = cache_mod.PagedLayer._attend_gathered
+    monkeypatch.setattr(
+        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[3]) or real(self, *a)
+    )
+    g = torch.Generator().manual_seed(0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for layer in cache.layers:
+        B, H, _, D = layer.keys.shape
+        layer._k, layer._v = layer._k.to(dtype), layer._v.to(dtype)
+        layer._set_views()
+        room = layer._cap - layer.keys.shape[2]
+        for t in range(room):  # decode up to the storage's end; one decode slot of sample 1 is padding
+            cache.step.new_valid = torch.tensor([[True], [t != 2]])
+            layer.update(torch.randn(B, H, 1, D, dtype=dtype), torch.randn(B, H, 1, D, dtype=dtype))
+        cache.step.new_valid = None
+        assert layer.keys.shape[2] == layer._cap and not layer.slot_valid.all()
+        last = int((layer.page_len[-1, -1] > 0).nonzero().max())  # the last head's last page: the storage's end
+        assert int(layer.page_start[-1, -1, last] + layer.page_len[-1, -1, last]) == layer._cap
+        for i in range(4):
+            pages = (torch.rand(layer.page_len.shape, generator=g) < torch.rand(B, H, 1, generator=g))
+            pages[..., 0] = True  # every head reads a valid slot
+            pages[-1, -1, last] = True
+            pages &= layer.page_len > 0
+            kinds = layer.page_kind[pages]
+            assert (kinds == IMAGE).any() and (kinds == TEXT).any()
+            monkeypatch.setattr(layer, "read_pages", lambda query, scaling, pages=pages: pages)
+            q = torch.randn(B, 2 * H, 1, D, generator=g).to(dtype)
+            monkeypatch.setattr(cache_mod, "GATHER_SHARE", float("inf"))  # gather whatever is read
+            # the KV heads all in one SDPA call, or one head per call
+            monkeypatch.setattr(cache_mod, "GATHER_CHUNK_BYTES", 1 if i % 2 else 1 << 30)
+            gathered.clear()
+            got = layer.attend(q, D**-0.5)
+            assert len(gathered) == 1
+            monkeypatch.setattr(cache_mod, "GATHER_SHARE", 0.0)
+            want = layer.attend(q, D**-0.5)  # the masked SDPA over every slot
+            assert len(gathered) == 1
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        if setup.get("page_sizing") == "dynamic":  # the block of the storage's last page starts before it
+            assert int(layer.page_start[-1, -1, last]) + gathered[0] > layer._cap
 
 
 def test_storage_grows_in_place_during_long_decodes(model_and_processor):
