@@ -257,7 +257,7 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self._k = self._v = None
-        self._stats_t = self._read_t = self._resident = None
+        self._stats_t = self._read_t = self._resident = self._head_resident = None
         self.phase = "empty"
         self.logical_len = 0
         self.is_initialized = False
@@ -392,6 +392,7 @@ class PagedLayer(CacheLayerMixin):
         # resident (valid) slots, image and text, kept up to date as decode appends tokens: what dense
         # attention reads each step, without a pass over the slot table per step
         self._resident = self._by_modality(self.slot_valid)
+        self._head_resident = self.slot_valid.sum(-1)  # (B, Hkv): the same per KV head, image and text
 
     # ---- storage -------------------------------------------------------------------------------------
     def _room(self, used: int) -> int:
@@ -572,9 +573,11 @@ class PagedLayer(CacheLayerMixin):
             self._valid[..., L : L + q] = new_valid.unsqueeze(1)
             self.all_valid = False
             self._resident[1] += new_valid.sum() * k.shape[1]  # generated tokens are text
+            self._head_resident += new_valid.sum(-1, keepdim=True)
         else:
             self._valid[..., L : L + q] = True
             self._resident[1] += k.shape[0] * k.shape[1] * q
+            self._head_resident += q
         closed_before = self.n_decode // S
         first_open = self.prompt_pages + closed_before
         self.n_decode += q
@@ -625,7 +628,7 @@ class PagedLayer(CacheLayerMixin):
         per_token = kv_bytes_per_token(self.keys)
         P_s = cand.shape[-1]
         page_bytes = page_kv_bytes(self.page_len, self.keys)
-        dense = self.slot_valid.sum(-1) * per_token
+        dense = self._head_resident * per_token
         left = fraction * dense - summary - (page_bytes * always).sum(-1)
         self.owner.counters["read_over_budget"] += (left < 0).sum()
         return BytesBudget(page_bytes[..., :P_s], left)

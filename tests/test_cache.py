@@ -518,6 +518,7 @@ def test_the_gathered_pages_give_the_masked_attention_whatever_pages_are_read(
             layer.update(torch.randn(B, H, 1, D, dtype=dtype), torch.randn(B, H, 1, D, dtype=dtype))
         cache.step.new_valid = None
         assert layer.keys.shape[2] == layer._cap and not layer.slot_valid.all()
+        assert torch.equal(layer._head_resident, layer.slot_valid.sum(-1))  # what a bytes budget divides
         last = int((layer.page_len[-1, -1] > 0).nonzero().max())  # the last head's last page: the storage's end
         assert int(layer.page_start[-1, -1, last] + layer.page_len[-1, -1, last]) == layer._cap
         for i in range(4):
