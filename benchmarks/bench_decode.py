@@ -42,6 +42,7 @@ DEFAULT_METHODS = (
     f"quest:{R},summary_format=compact",
     f"quest:{R}",
     f"oval:{R},summary_format=compact",
+    f"oval:{R},summary_format=compact,rank=2",
 )
 
 
