@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import random_prompts, sizes  # noqa: E402
+from bench_memory import add_model_args, random_prompts, sizes  # noqa: E402
 
 import mm_oval  # noqa: E402
 from mm_oval.config import OvalConfig  # noqa: E402
@@ -55,12 +55,7 @@ def build(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--small", action="store_true", help="the tiny model's shapes instead of 7B width")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--images", type=int, default=4, help="images per prompt (576 tokens each at 7B width)")
-    ap.add_argument("--layers", type=int, default=2, help="language-model layers")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch (1 is the most stable)")
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=24, help="timed decode rounds (one step per configuration)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument(

@@ -74,6 +74,17 @@ def config(name: str, router_dir: str, read_budget: float) -> OvalConfig:
     return OvalConfig(retrieval=name, retrieval_options=options, read_budget=read_budget)
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The random LLaVA's shape and run options, shared with bench_decode: 7B width (or the tiny model's
+    with --small), the batch of prompts of --images images, --layers, --dtype, --threads."""
+    ap.add_argument("--small", action="store_true", help="the tiny model's shapes instead of 7B width")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--images", type=int, default=4, help="images per prompt (576 tokens each at 7B width)")
+    ap.add_argument("--layers", type=int, default=2, help="language-model layers")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch (1 is the most stable)")
+
+
 def random_prompts(model, processor, n_images: int, batch: int, dtype: torch.dtype):
     """`batch` prompts of `n_images` random images each and one question -> (images, processor inputs)."""
     side = model.config.vision_config.image_size
@@ -191,12 +202,7 @@ def run_child(name: str, args: argparse.Namespace, tmp: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", action="store_true", help="the tiny model's shapes instead of 7B width")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--images", type=int, default=4, help="images per prompt (576 tokens each at 7B width)")
-    ap.add_argument("--layers", type=int, default=2, help="language-model layers")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    add_model_args(ap)
     ap.add_argument("--read-budget", type=float, default=0.25)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--max-extra-gib", type=float, default=12.0,
