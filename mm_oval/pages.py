@@ -59,10 +59,10 @@ def fixed_labels(
 
 def _morton(rc: torch.Tensor) -> torch.Tensor:
     """(..., 2) long (row, col) >= 0 -> (...,) long: the Z-order (Morton) code, row and col bits interleaved
-    (row bits the higher of each pair), for rows and cols below 2^20."""
+    (row bits the higher of each pair), over as many bits as the largest row or col needs (below 2^31)."""
     code = torch.zeros(rc.shape[:-1], dtype=torch.long, device=rc.device)
     r, c = rc[..., 0], rc[..., 1]
-    for b in range(20):
+    for b in range(int(rc.max()).bit_length() if rc.numel() else 0):  # 5 for LLaVA-1.5's 24 x 24 grid
         code |= ((c >> b) & 1) << (2 * b)
         code |= ((r >> b) & 1) << (2 * b + 1)
     return code
