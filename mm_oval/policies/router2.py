@@ -54,7 +54,7 @@ from .base import (
     select_by_score,
 )
 from .page_summaries import SUMMARY_FORMATS, dequantize_int8, quantize_int8
-from .router import LoRALinear, check_signature, load_weights_dir, save_weights_dir
+from .router import LoRALinear, check_signature, load_weights_dir, pool_page_content, save_weights_dir
 
 WEIGHTS_FILE = "router2.safetensors"
 CONFIG_FILE = "router2.json"
@@ -491,13 +491,8 @@ class Router2Retrieval(RetrievalPolicy):
 def pool_token_embeddings(tok: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
     """tok (B, N, R) per-token embeddings of the prompt, token_index (B, Hkv, P, T) the prompt index of each
     page token (-1: none) -> (B, Hkv, P, R), the mean over each page's prompt tokens (0 for none). Gathers
-    route_dim entries per token, never the hidden size."""
-    b, n, r = tok.shape
-    ok = (token_index >= 0) & (token_index < n)
-    flat = token_index.clamp(0, n - 1).reshape(b, -1)
-    g = tok.gather(1, flat.unsqueeze(-1).expand(-1, -1, r)).view(*token_index.shape, r)
-    w = ok.unsqueeze(-1).to(g.dtype)
-    return (g * w).sum(-2) / w.sum(-2).clamp_min(1.0)
+    route_dim entries per token, never the hidden size: the first router's `pool_page_content` over them."""
+    return pool_page_content(tok, token_index)[0]
 
 
 def predict_ahead_hit_rate(
