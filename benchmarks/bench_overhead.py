@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     ap.add_argument("--read-budget", type=float, default=0.25)
-    ap.add_argument("--image-tile", type=int, default=2, choices=[2, 4], help="image pages: 2x2 or 4x4 tiles")
+    ap.add_argument(
+        "--image-tile", type=int, default=4, choices=[2, 4], help="image pages: 2x2 or 4x4 tiles (4: wrap's default)"
+    )
     ap.add_argument(
         "--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
         help="dtype of the KV the summaries table counts (and of the keys its float summaries come from)",

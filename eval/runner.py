@@ -51,9 +51,10 @@ from .tasks import Item, Task, get_task, resolve_data
 log = logging.getLogger(__name__)
 
 # bump when prompts or the prediction record change: a resumed directory must hold the same kind of run
-RUN_FORMAT = 2
+# (3: the identity holds the method's resolved configuration, `resolved`, as well as its spec string)
+RUN_FORMAT = 3
 IDENTITY_KEYS = ("format", "task", "data", "data_options", "model", "dtype", "device", "weights", "method",
-                 "budget", "limit", "max_new_tokens", "multi_turn", "compress")  # fmt: skip
+                 "resolved", "budget", "limit", "max_new_tokens", "multi_turn", "compress")  # fmt: skip
 
 
 @dataclass
@@ -73,6 +74,9 @@ class RunConfig:
     dtype: str | None = None  # the weights' dtype: float16 and bfloat16 answers differ
     device: str | None = None  # the device kind (cpu, cuda, mps): kernels and numerics differ
     weights: dict[str, Any] | None = None  # `weights_fingerprint`: the same path may hold other weights
+    # `resolved_method`: the spec with every default spelled out (a default that changes between versions
+    # changes the run, not silently its meaning)
+    resolved: dict[str, Any] | None = None
     batch_size: int = 1  # does not change predictions (tested), so not part of the identity
     format: int = RUN_FORMAT
 
@@ -179,6 +183,14 @@ def check_method(method: str, budget: float | int | None) -> Any:
             raise ConfigError("--budget applies to compressed methods; method 'full' keeps the whole cache")
         return None
     return OvalConfig.from_spec(method, budget)
+
+
+def resolved_method(method: str, budget: float | int | None) -> dict[str, Any]:
+    """The configuration a method spec and budget run, every default included, as JSON values (the form a
+    run.json holds, so an identity read back compares equal): `OvalConfig.resolved`; {"method": "full"}."""
+    config = check_method(method, budget)
+    resolved = {"method": "full"} if config is None else config.resolved()
+    return json.loads(json.dumps(resolved, sort_keys=True, default=str))
 
 
 def apply_method(model: Any, method: str, budget: float | int | None) -> bool:
@@ -401,14 +413,19 @@ def _versions() -> dict[str, str]:
     return out
 
 
+_NESTED = ("weights", "files", "resolved", "method_options", "retrieval_options")
+
+
 def _differences(old: dict, new: dict, keys: Iterable[str], prefix: str = "") -> list[str]:
     out = []
     for k in keys:
         a, b = old.get(k), new.get(k)
         if a == b:
             continue
-        if isinstance(a, dict) and isinstance(b, dict) and k in ("weights", "files"):
+        if isinstance(a, dict) and isinstance(b, dict) and k in _NESTED:
             out += _differences(a, b, list(dict.fromkeys([*a, *b])), f"{prefix}{k}.")
+        elif k == "resolved" and a is None:  # a run of format 2 or older
+            out.append(f"{prefix}{k}: not recorded there (an older run format)")
         else:
             out.append(f"{prefix}{k}: {a!r} there, {b!r} now")
     return out
@@ -684,6 +701,7 @@ class Evaluation:
             data=str(data_path.resolve()) if str(self.data_arg) != "bundled" else "bundled",
             model=o.model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
             method=o.method,
+            resolved=resolved_method(o.method, budget),
             budget=budget,
             limit=o.limit,
             max_new_tokens=self.max_new,

@@ -13,6 +13,7 @@ everything; a read budget without a retrieval method reads everything), never si
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -31,6 +32,10 @@ READ_SCOPES = ("image", "all")
 PAGE_SIZINGS = ("fixed", "dynamic", "kept")
 DYNAMIC_PAGE_KNOBS = ("page_split", "max_page_tokens", "min_page_tokens", "mean_page_tokens")
 HEAD_BUDGETS = ("uniform", "shared")
+# 4x4 tiles: 16-token image pages, the page size Quest's and LOCKS's authors use, and the smallest at which every
+# page summary is at most 15% of the KV it indexes (Quest's float bounds 6.25%, compact LOCKS/OVAL rank 8 9.6%;
+# on 2x2 tiles they are 25% and 34%). On LLaVA-1.5's 24x24 grid that is 36 pages per image.
+DEFAULT_IMAGE_TILE = 4
 RENAMED = {"scope": "eviction_scope", "retrieval_scope": "read_scope"}
 
 
@@ -72,7 +77,7 @@ class OvalConfig:
     read_scope: str = "image"  # candidate pages: "image" pages only (text pages always read), or "all"
     # each decode step also computes exact attention to measure the retrieval (stats' retrieval_monitor)
     monitor_retrieval: bool = False
-    image_tile: int = 2
+    image_tile: int = DEFAULT_IMAGE_TILE
     text_page_size: int = 16
     # "fixed": image_tile x image_tile image pages and text_page_size text pages; "dynamic": OVAL's page
     # sizing (mm_oval.pages.PageSizing), chosen at prefill per layer and KV head from the keys: pages of
@@ -159,7 +164,7 @@ class OvalConfig:
                 raise ConfigError(f"{items} set with page_sizing={self.page_sizing!r}: they size dynamic "
                                   "pages; set page_sizing='dynamic' too, or leave them out")  # fmt: skip
             return
-        if self.image_tile != 2:
+        if self.image_tile != DEFAULT_IMAGE_TILE:
             raise ConfigError(
                 f"image_tile={self.image_tile!r} set with page_sizing='dynamic', which sizes image pages itself "
                 "(max_page_tokens, min_page_tokens): leave image_tile out or use page_sizing='fixed'"
@@ -284,6 +289,18 @@ class OvalConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def resolved(self) -> dict[str, Any]:
+        """`to_dict` with each method's options completed by its defaults (rank, summary_format, weights,
+        ...): what this configuration does, spelled out, so a record of it (a run's identity) tells two
+        configurations apart when a default changes under the same spec string."""
+        load_builtin_policies()
+        d = self.to_dict()
+        if self.method != "full":
+            d["method_options"] = _with_defaults(EVICTION_REGISTRY[self.method], self.method_options)
+        if self.retrieval is not None:
+            d["retrieval_options"] = _with_defaults(RETRIEVAL_REGISTRY[self.retrieval], self.retrieval_options)
+        return d
+
     @classmethod
     def from_spec(cls, spec: str, budget: float | int | None = None, **overrides: Any) -> OvalConfig:
         """Parse "name" or "name:key=value,key=value". Keys naming an OvalConfig field set it, keys
@@ -374,6 +391,24 @@ _RENAMED_HELP = (
     "eviction_scope: image and text ranked separately or together when tokens are evicted; "
     "read_scope: which pages a retrieval method chooses among"
 )
+
+
+def _with_defaults(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """A policy class's constructor defaults overlaid with the given options."""
+    out: dict[str, Any] = {}
+    if dataclasses.is_dataclass(cls):
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+    else:
+        for p in inspect.signature(cls).parameters.values():
+            if p.default is not p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                out[p.name] = p.default
+    return out | dict(options)
 
 
 def _refuse_renamed(given: dict[str, Any]) -> None:

@@ -21,11 +21,14 @@ mkdir -p "$OUT" docs/results
 O=sink_tokens=3,recent_tokens=0,read_bytes_budget
 D=page_sizing=dynamic
 C=summary_format=compact
+F=summary_format=float
 if [ -z "${METHODS:-}" ]; then
-    METHODS=(quest:$O quest:$O,image_tile=4 quest:$O,image_tile=4,$C quest:$O,$D quest:$O,$D,$C
-             oval:$O,image_tile=4 oval:$O,$D oval:$O,image_tile=4,$C oval:$O,image_tile=4,$C,rank=2 oval:$O,$D,$C
+    # every row names its page size and summary format (the defaults are 4x4 tiles, compact LOCKS / OVAL and
+    # float Quest; before run format 3 they were 2x2 tiles and float records, and these rows were run then)
+    METHODS=(quest:$O,image_tile=2 quest:$O,image_tile=4 quest:$O,image_tile=4,$C quest:$O,$D quest:$O,$D,$C
+             oval:$O,image_tile=4,$F oval:$O,$D,$F oval:$O,image_tile=4,$C oval:$O,image_tile=4,$C,rank=2 oval:$O,$D,$C
              locks:$O,$D,$C
-             router2:$O,weights=bundled576 router2:$O,image_tile=4,weights=bundled576-quest4c
+             router2:$O,image_tile=2,weights=bundled576 router2:$O,image_tile=4,weights=bundled576-quest4c
              router2:$O,image_tile=4,weights=bundled576-oval4c router2:$O,image_tile=4,weights=bundled576-oval4c-r2
              ${EXTRA_METHODS:-})
 else
@@ -53,7 +56,7 @@ R=retrieval=oval,page_sizing=dynamic,retrieval.summary_format=compact
 # pages over the kept tokens (page_sizing=kept: runs of 16 kept patches in Z-order) with compact OVAL rank 2
 # and compact Quest: a small kept cache's tiles hold 1-3 tokens each, whose summaries would take the budget
 RK=page_sizing=kept,image_tile=4,retrieval.summary_format=compact
-KVP_METHODS=($K "$K,$R,read_bytes_budget=0.5" "$K,$R,read_bytes_budget=0.25" "$K,retrieval=quest,read_bytes_budget=0.5"
+KVP_METHODS=($K "$K,$R,read_bytes_budget=0.5" "$K,$R,read_bytes_budget=0.25" "$K,retrieval=quest,image_tile=2,read_bytes_budget=0.5"
              "$K,retrieval=oval,$RK,retrieval.rank=2,read_bytes_budget=0.5"
              "$K,retrieval=oval,$RK,retrieval.rank=2,read_bytes_budget=0.25"
              "$K,retrieval=quest,$RK,read_bytes_budget=0.5" "$K,retrieval=quest,$RK,read_bytes_budget=0.25")

@@ -31,7 +31,7 @@ rm -rf "$OUT/kvp_joint" && mkdir -p "$OUT/kvp_joint" && cp -r "$OUT/kvp/traces" 
     --steps 600 --proj 32 --hidden 32 --joint-heads
 mkdir -p mm_oval/zoo/tiny_llava_kvp_joint
 cp "$OUT"/kvp_joint/kvp_agents.safetensors "$OUT"/kvp_joint/kvp_config.json mm_oval/zoo/tiny_llava_kvp_joint/
-"$BIN/mm-oval" train-router --out mm_oval/policies/router_tiny --threads 1 --data zoo:256 --val zoo:64 --epochs 20
+"$BIN/mm-oval" train-router --out mm_oval/policies/router_tiny --image-tile 2 --threads 1 --data zoo:256 --val zoo:64 --epochs 20
 
 # 3. full-cache scores and grounding
 for task in vqav2 mmbench pope; do

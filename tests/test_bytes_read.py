@@ -74,10 +74,19 @@ def _dense(model, inputs, per_token):
 
 def _summary_bytes(name, plen, summaries):
     """Bytes of each page's summary that scoring reads: Quest two fp32 keys per page; OVAL the
-    centroid, the rank-r basis and r coefficients per token of the page, in the summaries' dtype."""
+    centroid, the rank-r basis and r coefficients per token of the page, in the summaries' dtype, or, for
+    its compact record (the default), each stored tensor's bytes per page, with the coefficient rows of the
+    page's own tokens only."""
     if name == "quest":
         d = summaries["kmin"].shape[-1]
         return torch.full_like(plen, 2 * d * 4)
+    if "basis_q" in summaries:
+        per_page = sum(
+            summaries[k][0, 0, 0].numel() * summaries[k].element_size()
+            for k in ("mu_q", "mu_scale", "basis_q", "basis_scale", "coef_scale")
+        )
+        r = summaries["coef_q"].shape[-1]
+        return per_page + plen * r * summaries["coef_q"].element_size()
     d, r = summaries["basis"].shape[-2:]
     return (d + d * r + plen * r) * summaries["basis"].element_size()
 
@@ -100,12 +109,12 @@ def _expected(name, log, per_token, dense, dense_image):
     }
 
 
-@pytest.mark.parametrize("name", ["quest", "oval"])
+@pytest.mark.parametrize("name,options", [("quest", {}), ("oval", {}), ("oval", {"summary_format": "float"})])
 def test_bytes_read_are_the_summaries_scanned_the_pages_selected_and_the_pages_always_read(
-    model, llava_batch, name
+    model, llava_batch, name, options
 ):
     inputs = llava_batch(TEXTS)
-    cache, log, br = _run(model, inputs, retrieval=name, read_budget=0.25)
+    cache, log, br = _run(model, inputs, retrieval=name, read_budget=0.25, retrieval_options=options)
     per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
     dense, dense_image = _dense(model, inputs, per_token)
     exp = _expected(name, log, per_token, dense, dense_image)
@@ -140,7 +149,7 @@ def test_full_attention_reads_exactly_dense(model, llava_batch):
 
 
 def test_a_read_budget_of_one_reads_dense_plus_the_summaries(model, llava_batch):
-    """OVAL's rank-8 summaries of 2x2 tiles outweigh the keys they stand for: it reads more than dense."""
+    """Reading every page reads dense attention's bytes and the summaries scanned on top: more than dense."""
     inputs = llava_batch(TEXTS)
     _, _, br = _run(model, inputs, retrieval="oval", read_budget=1.0)
     total = br["total"]
@@ -152,7 +161,9 @@ def test_a_read_budget_of_one_reads_dense_plus_the_summaries(model, llava_batch)
 @pytest.mark.parametrize("fraction", [0.7, 0.9])
 def test_a_bytes_budget_reads_the_best_pages_while_they_fit(model, llava_batch, fraction):
     inputs = llava_batch(TEXTS)
-    cache, log, br = _run(model, inputs, retrieval="quest", read_bytes_budget=fraction)
+    # 2x2 tiles: on the tiny model's 8x8 grid a 4x4 page's KV outweighs what a budget leaves after the
+    # always-read text and the summaries, so no page would be a choice
+    cache, log, br = _run(model, inputs, retrieval="quest", read_bytes_budget=fraction, image_tile=2)
     per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
     n_valid = inputs["attention_mask"].sum(-1)
     H = model.config.text_config.num_key_value_heads
@@ -196,8 +207,8 @@ def test_a_bytes_budget_below_the_always_read_pages_reads_no_optional_page_and_s
 
 def test_a_larger_bytes_budget_reads_more(model, llava_batch):
     inputs = llava_batch(TEXTS)
-    low = _run(model, inputs, retrieval="quest", read_bytes_budget=0.7)[2]["total"]["selected"]
-    high = _run(model, inputs, retrieval="quest", read_bytes_budget=1.0)[2]["total"]["selected"]
+    low = _run(model, inputs, retrieval="quest", read_bytes_budget=0.7, image_tile=2)[2]["total"]["selected"]
+    high = _run(model, inputs, retrieval="quest", read_bytes_budget=1.0, image_tile=2)[2]["total"]["selected"]
     assert 0 < low < high
 
 

@@ -441,7 +441,8 @@ def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model
 
     model, processor = model_and_processor
     inputs = _inputs(processor)
-    mm_oval.wrap(model, retrieval="quest", read_budget=0.25, text_page_size=4)
+    # 2x2 tiles: with 4-token text pages, a step's gathered block is as wide as its longest page read
+    mm_oval.wrap(model, retrieval="quest", read_budget=0.25, text_page_size=4, image_tile=2)
     cache = prefill(model, **inputs)
     cache.kernels = False
     gathered = []
@@ -466,7 +467,7 @@ def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     monkeypatch.undo()
-    mm_oval.wrap(model, retrieval="quest", read_budget=1.0, text_page_size=4)
+    mm_oval.wrap(model, retrieval="quest", read_budget=1.0, text_page_size=4, image_tile=2)
     cache = prefill(model, **inputs)
     cache.kernels = False
     monkeypatch.setattr(

@@ -112,12 +112,14 @@ def test_full_cache_keeps_every_patch_of_every_image(tiny_random_llava):
 
 
 def test_page_reads_match_the_pages_retrieval_read(tiny_random_llava):
+    # 2x2 tiles: on the tiny model's 8x8 grid the default 4x4 tiles leave one page that no sink or recent
+    # token pins, and reading a share of one page reads it all
     model, processor = tiny_random_llava
     chat = Chat(
         model,
         processor,
         _scene(),
-        method="full:retrieval=quest,read_budget=0.25",
+        method="full:retrieval=quest,read_budget=0.25,image_tile=2",
         max_new_tokens=6,
         record_reads=True,
     )
@@ -147,7 +149,7 @@ def test_page_reads_match_the_pages_retrieval_read(tiny_random_llava):
     frac = chat.stats()["page_read_fraction"]
     assert 0.25 <= frac < 0.5  # ceil(25%) of the candidate pages per head and step
 
-    plain = Chat(model, processor, _scene(), method="full:retrieval=quest,read_budget=0.25", max_new_tokens=2)
+    plain = Chat(model, processor, _scene(), method="full:retrieval=quest,read_budget=0.25,image_tile=2", max_new_tokens=2)
     plain.ask(QUESTIONS[0])
     with pytest.raises(ConfigError, match="record_reads=True"):
         plain.page_reads()
@@ -157,7 +159,7 @@ def test_page_reads_per_step_are_what_each_decode_step_read(tiny_random_llava):
     """Each decode step's reads: as many steps as the answers' tokens after the first, at each step
     ceil(25%) of every head's candidate pages, and their mean over the steps is `page_reads`."""
     model, processor = tiny_random_llava
-    spec = "full:retrieval=quest,read_budget=0.25"
+    spec = "full:retrieval=quest,read_budget=0.25,image_tile=2"
     chat = Chat(model, processor, _scene(), method=spec, max_new_tokens=6, record_steps=True)
     chat.ask(QUESTIONS[0])
     first = chat.turns[0]

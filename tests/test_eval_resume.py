@@ -153,6 +153,36 @@ def test_resume_with_another_dtype_or_other_weights_is_refused(loaded, data, tmp
     ) == 2
 
 
+def test_a_changed_default_under_the_same_method_spec_is_refused(loaded, data, tmp_path, monkeypatch):
+    """The identity holds the method with every default spelled out: if a version changes a default (here
+    OVAL's rank, as page sizes and summary formats have changed), the same spec string no longer resumes
+    the old predictions; a run.json of an older format (no resolved method) is refused by name."""
+    import dataclasses
+
+    from mm_oval.policies.pagebases import OvalRetrieval
+
+    model, processor = loaded
+    out = tmp_path / "out"
+    spec = "oval:sink_tokens=0,recent_tokens=0"
+    first = evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
+    ident = json.loads((out / "run.json").read_text())["identity"]
+    assert ident["resolved"]["retrieval_options"]["rank"] == 8 and ident["resolved"]["read_budget"] == 0.5
+    assert ident["resolved"]["image_tile"] == 4 and ident["resolved"]["retrieval_options"]["summary_format"] == "compact"
+    again = evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
+    assert again["run"]["new_items"] == 0 and again["primary"] == first["primary"]
+
+    rank = {f.name: f for f in dataclasses.fields(OvalRetrieval)}["rank"]
+    monkeypatch.setattr(rank, "default", 4)  # a version whose OVAL defaults to rank 4
+    with pytest.raises(ResultsError, match=r"resolved\.retrieval_options\.rank: 8 there, 4 now"):
+        evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
+    monkeypatch.undo()
+
+    old = {k: v for k, v in ident.items() if k != "resolved"} | {"format": 2}
+    (out / "run.json").write_text(json.dumps({"identity": old}))
+    with pytest.raises(ResultsError, match=r"format: 2 there, 3 now; resolved: not recorded there"):
+        evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
+
+
 def test_new_weights_saved_at_the_same_path_are_refused(loaded, data, tmp_path):
     model, processor = loaded
     path = tmp_path / "model"

@@ -64,8 +64,9 @@ def test_reading_every_page_equals_the_unwrapped_model_and_a_budget_reads_its_sh
 def test_oval_on_top_of_eviction_reads_its_share_of_the_kept_image_pages(tiny_random_llava):
     model, processor = tiny_random_llava
     inputs = _inputs(processor)
+    # 2x2 tiles: the tiny model's 8x8 grid has 4 tiles of 4x4, too few to read a share of after eviction
     cfg = OvalConfig(
-        method="snapkv", budget=0.5, retrieval="oval", read_budget=0.5, retrieval_options={"rank": 2}
+        method="snapkv", budget=0.5, retrieval="oval", read_budget=0.5, retrieval_options={"rank": 2}, image_tile=2
     )
     wrapped = mm_oval.wrap(model, cfg)
     try:

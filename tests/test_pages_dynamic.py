@@ -136,7 +136,7 @@ def test_levels_nest_from_the_largest_tile():
     [
         ({"retrieval": "quest", "page_split": 0.5}, ["page_split=0.5", "page_sizing='fixed'"]),
         ({"retrieval": "quest", "page_sizing": "adaptive"}, ["page_sizing='adaptive'", "fixed", "dynamic"]),
-        ({"retrieval": "quest", "page_sizing": "dynamic", "image_tile": 4}, ["image_tile=4", "dynamic"]),
+        ({"retrieval": "quest", "page_sizing": "dynamic", "image_tile": 2}, ["image_tile=2", "dynamic"]),
         ({"retrieval": "quest", "page_sizing": "dynamic", "max_page_tokens": 24}, ["max_page_tokens", "power of two"]),
         ({"retrieval": "quest", "page_sizing": "dynamic", "min_page_tokens": 16, "max_page_tokens": 8}, ["min_page_tokens=16"]),
         ({"retrieval": "quest", "page_sizing": "dynamic", "page_split": -1}, ["page_split", ">= 0"]),

@@ -20,7 +20,8 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 def test_a_retrieval_requests_figures_are_exported_with_the_callers_labels(tiny_random_llava, llava_batch):
     model, _ = tiny_random_llava
     inputs = llava_batch(["USER: <image>\nwhat is it? ASSISTANT:"] * 2)
-    mm_oval.wrap(model, method="snapkv", budget=0.25, retrieval="quest", read_budget=0.25)
+    # 2x2 tiles: on the tiny model's 8x8 grid, a quarter of the image leaves no 4x4 page to choose among
+    mm_oval.wrap(model, method="snapkv", budget=0.25, retrieval="quest", read_budget=0.25, image_tile=2)
     try:
         model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         stats = get_stats(model)

@@ -61,7 +61,10 @@ def test_reading_every_page_hits_every_true_top_page_and_recalls_all_the_mass(
 
 def test_a_partial_read_budget_recalls_less_and_the_block_is_absent_when_not_asked(tiny_random_llava, llava_batch):
     model, processor = tiny_random_llava
-    m = _generate(model, processor, llava_batch, retrieval="quest", read_budget=0.25, monitor_retrieval=True)
+    # 2x2 tiles (as below): the tiny model's 8x8 grid has one 4x4 page that sinks and recent tokens leave free
+    m = _generate(
+        model, processor, llava_batch, retrieval="quest", read_budget=0.25, monitor_retrieval=True, image_tile=2
+    )
     m = m["retrieval_monitor"]
     assert 0.0 < m["attention_mass_recall"] < 1.0
     assert 0.0 < m["hit_rate"] <= 1.0 and 0.25 <= m["page_utilisation"] <= 1.0
@@ -73,8 +76,8 @@ def test_a_partial_read_budget_recalls_less_and_the_block_is_absent_when_not_ask
 def test_random_selection_hits_about_k_over_p_of_the_true_top_pages(tiny_random_llava, llava_batch):
     model, processor = tiny_random_llava
     s = _generate(model, processor, llava_batch, policy=RandomPages(), n=20, retrieval="quest", read_budget=0.25,
-                  monitor_retrieval=True)  # fmt: skip
-    # 16 candidate image pages per head, 4 read: a random 4 of 16 holds 1/4 of the true top 4 on average
+                  monitor_retrieval=True, image_tile=2)  # fmt: skip
+    # 2x2 tiles: 16 candidate image pages per head, 4 read: a random 4 of 16 holds 1/4 of the true top 4 on average
     # (about 300 head-steps: standard deviation ~0.011)
     assert s["retrieval_monitor"]["hit_rate"] == pytest.approx(0.25, abs=0.06)
     assert s["retrieval_monitor"]["page_utilisation"] > 0.5  # random picks spread over the pages

@@ -254,7 +254,7 @@ def test_the_bundled_router2_serves_the_576_token_model_only(tiny_random_llava):
     model576 = LlavaForConditionalGeneration.from_pretrained(bundled576_model_path()).eval()
     Router2Retrieval(model=model576)  # checks against the model it was trained for: no error
     with pytest.raises(ModelError, match="another model"):
-        mm_oval.wrap(tiny_random_llava[0], retrieval="router2", read_budget=0.25)
+        mm_oval.wrap(tiny_random_llava[0], retrieval="router2", read_budget=0.25)  # the default weights
     compact = load_router2(bundled_router2_path("bundled576-quest4c"))  # over compact Quest on 4x4 tiles
     assert compact.config.base == "quest" and compact.config.base_options == {"summary_format": "compact"}
     Router2Retrieval(weights="bundled576-quest4c", model=model576)

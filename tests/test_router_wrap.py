@@ -128,7 +128,9 @@ def test_open_clip_encoder_embeds_crops_and_text_into_one_space_and_fits_the_pag
     assert img.shape == txt.shape == (2, 16)
     assert torch.allclose(img.norm(dim=-1), torch.ones(2), atol=1e-5)
     model, processor = tiny_random_llava
-    samples = capture_router_data(model, processor, zoo_prompts(2, 7), max_new_tokens=1, keep_tiles=True)
+    samples = capture_router_data(
+        model, processor, zoo_prompts(2, 7), max_new_tokens=1, keep_tiles=True, image_tile=2
+    )
     tiles = samples[0].tiles
     assert len(tiles) == samples[0].content.shape[0]
     kinds = samples[0].kind.tolist()

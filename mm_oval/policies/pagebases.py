@@ -39,7 +39,9 @@ class _BasisRetrieval(RetrievalPolicy):
     rank: int = 8
     eta: float = 0.0
     max_page_tokens: int = 32  # page capacity T of the stored coefficients (pages are padded to it)
-    summary_format: str = "float"  # "compact": int4 basis, int8 coefficients and centroid (docs/oval.md)
+    # "compact" (the default, as OVAL's and LOCKS's released code store it): int4 basis with per-column scales,
+    # int8 coefficients and centroid (docs/oval.md); "float": the exactness reference, in the keys' dtype
+    summary_format: str = "compact"
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:

@@ -240,7 +240,10 @@ def load_router2(path: str | Path, model: Any = None) -> Router2Net:
 
 # weights=NAME -> mm_oval.zoo package data folder: the 576-token model's router v2 over Quest on 2x2 tiles
 # (float bounds), over compact Quest on 4x4 tiles (`image_tile=4`, what fits a 25% bytes budget), and over
-# compact OVAL on 4x4 tiles (`image_tile=4`), rank 8 and rank 2
+# compact OVAL on 4x4 tiles (`image_tile=4`), rank 8 and rank 2. The default is the last: it was trained on
+# the default pages (4x4 tiles) over compact OVAL rank 2, the base that scores best in the bytes it reads
+# (README, "Retrieval"); weights trained on 2x2 tiles ("bundled576") want `image_tile=2`.
+DEFAULT_WEIGHTS = "bundled576-oval4c-r2"
 BUNDLED = {
     "bundled576": "tiny_llava576_router2",
     "bundled576-quest4c": "tiny_llava576_router2_quest4c",
@@ -297,9 +300,9 @@ RECORD_KEYS = ("r2_emb", "r2_emb_q", "r2_emb_scale")  # the router's own page re
 
 @register_retrieval
 class Router2Retrieval(RetrievalPolicy):
-    """Router v2 (module docstring). Options: `weights` (a router2 directory, a bundled name such as
-    "bundled576", or "none": no correction, the base scorer alone; weights whose correction is exactly zero
-    act as "none"), `base` ("quest" or "oval"; with trained
+    """Router v2 (module docstring). Options: `weights` (a router2 directory, a bundled name (`BUNDLED`;
+    default "bundled576-oval4c-r2"), or "none": no correction, the base scorer alone; weights whose
+    correction is exactly zero act as "none"), `base` ("quest" or "oval"; with trained
     weights, the one they were trained on), `base_options` (the base scorer's options), `predict_ahead`
     ("off" or "step"), `gcn_budget` (the share of candidates a step counts as read in the co-read graph),
     `record_format` ("auto": the base's summary_format; "float": the page embedding in the model's dtype;
@@ -311,7 +314,7 @@ class Router2Retrieval(RetrievalPolicy):
 
     def __init__(
         self,
-        weights: str | Path | None = "bundled576",
+        weights: str | Path | None = DEFAULT_WEIGHTS,
         base: str | None = None,
         base_options: dict[str, Any] | None = None,
         predict_ahead: str = "off",

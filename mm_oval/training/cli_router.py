@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..config import DEFAULT_IMAGE_TILE
 from ..errors import ConfigError
 from ..files import atomic_write_json
 from ..modelfiles import add_load_arguments, load_from_args
@@ -52,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--prompt-queries", type=int, default=4, help="last prompt positions routed as well")
-    parser.add_argument("--image-tile", type=int, default=2)
+    parser.add_argument(
+        "--image-tile", type=int, default=DEFAULT_IMAGE_TILE, help="image pages: tiles of this side (default: %(default)s, as wrap)"
+    )
     parser.add_argument("--text-page-size", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-3)

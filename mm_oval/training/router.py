@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import request_info
+from ..config import DEFAULT_IMAGE_TILE
 from ..errors import ConfigError, DataError, ModelError
 from ..geometry import GEOMETRY_INPUTS, image_geometry
 from ..pages import layout_pages
@@ -131,7 +132,7 @@ def capture_router_data(
     *,
     max_new_tokens: int = 4,
     prompt_queries: int = 4,
-    image_tile: int = 2,
+    image_tile: int = DEFAULT_IMAGE_TILE,
     text_page_size: int = 16,
     sink_tokens: int = 4,
     recent_tokens: int = 16,
@@ -602,7 +603,7 @@ def capture_router2_data(
     *,
     max_new_tokens: int = 4,
     prompt_queries: int = 4,
-    image_tile: int = 2,
+    image_tile: int = DEFAULT_IMAGE_TILE,
     text_page_size: int = 16,
     sink_tokens: int = 4,
     recent_tokens: int = 16,
