@@ -42,6 +42,11 @@ steps, layers, the batch and heads (absent without the knob or before any select
   always-read pages), the mean over (step, layer, sample, query head);
 - `page_utilisation`: the share of the request's (layer, sample, KV head) candidate pages read at least once;
 - `pages_selected` (the denominator of `hit_rate`), `layer_steps` (the selections measured);
+- `co_read_density`: how many page pairs are read together: per (step, layer, sample, KV head), the graph
+  whose edges are the pairs of candidate pages both read at one of the last `CO_READ_WINDOW` (8) steps
+  (router v2's co-read graph, `Router2Config.gcn_window`), its edges over all pairs of candidate pages;
+  the mean over them (0: no two pages ever read together; 1: every pair; steps with fewer than two
+  candidate pages are left out). A sparse graph is what its GCN term can use;
 - `select_ms_p50` / `select_ms_p99`: one layer's `select` (perf_counter; synchronised on CUDA), median and
   99th percentile over the (layer, step) calls; `step_select_ms_p50` / `_p99`: summed over a step's layers.
 """
@@ -60,6 +65,7 @@ from transformers import PreTrainedModel
 from .core import topk_mask
 from .errors import ConfigError
 
+CO_READ_WINDOW = 8  # steps of page reads a co-read graph holds (router v2's default gcn_window)
 ALLOCATED_KINDS = ("kv", "summaries", "metadata", "method_state")
 _KV_ATTRS = ("_k", "_v", "keys", "values")
 _SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
@@ -256,6 +262,9 @@ class RetrievalMonitor:
     ever_candidate: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     ever_read: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     select_s: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (decode step, seconds)
+    # per layer: the last CO_READ_WINDOW steps' chosen pages (B, Hkv, Pc) and [sum of densities, count]
+    co_window: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    co_tally: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def clock(device: torch.device) -> float:
@@ -305,6 +314,25 @@ class RetrievalMonitor:
                 new = new | torch.nn.functional.pad(prev, (0, Pc - prev.shape[-1]))
             store[layer_idx] = new
         self.select_s.append((step, seconds))
+        self._co_read(layer_idx, candidates, chosen)
+
+    def _co_read(self, layer_idx: int, candidates: torch.Tensor, chosen: torch.Tensor) -> None:
+        """The density of this step's co-read graph (pages read together over the window) per (sample, KV
+        head), added to the layer's tally."""
+        Pc = candidates.shape[-1]
+        window = self.co_window.setdefault(layer_idx, [])
+        window.append(chosen & candidates)
+        del window[:-CO_READ_WINDOW]
+        reads = torch.stack([torch.nn.functional.pad(w, (0, Pc - w.shape[-1])) for w in window], -2).float()
+        together = (reads.transpose(-1, -2) @ reads) > 0  # (B, Hkv, Pc, Pc): read at one step of the window
+        pairs = candidates.unsqueeze(-1) & candidates.unsqueeze(-2)
+        pairs &= ~torch.eye(Pc, dtype=torch.bool, device=pairs.device)
+        n_pairs = pairs.sum((-1, -2))
+        has = n_pairs > 0
+        density = (together & pairs).sum((-1, -2)).double() / n_pairs.clamp(min=1)
+        row = torch.stack([density[has].sum(), has.sum().double()])
+        old = self.co_tally.get(layer_idx)
+        self.co_tally[layer_idx] = row if old is None else old + row
 
     def summary(self) -> dict[str, Any] | None:
         """The stats' `retrieval_monitor` block (see `cache_stats`); None before any monitored step."""
@@ -318,12 +346,14 @@ class RetrievalMonitor:
         for step, sec in self.select_s:
             per_step[step] = per_step.get(step, 0.0) + sec
         q = lambda xs, p: 1e3 * float(torch.tensor(xs, dtype=torch.float64).quantile(p))  # noqa: E731
+        co_sum, co_n = torch.stack(list(self.co_tally.values())).sum(0).tolist()
         return {
             "layer_steps": len(per_call),
             "pages_selected": int(selected),
             "hit_rate": hits / selected if selected else None,
             "attention_mass_recall": recall / n if n else None,
             "page_utilisation": used / cand if cand else None,
+            "co_read_density": co_sum / co_n if co_n else None,
             "select_ms_p50": q(per_call, 0.5),
             "select_ms_p99": q(per_call, 0.99),
             "step_select_ms_p50": q(list(per_step.values()), 0.5),
@@ -427,6 +457,8 @@ def to_prometheus(stats: dict[str, Any], labels: dict[str, str] | None = None, p
             mon.get("attention_mass_recall"))  # fmt: skip
         put("retrieval_page_utilisation", "share of candidate pages read at least once in the request",
             mon.get("page_utilisation"))  # fmt: skip
+        put("retrieval_co_read_density", "page pairs read together within 8 steps, share of candidate pairs",
+            mon.get("co_read_density"))  # fmt: skip
         put("retrieval_pages_selected", "pages the retrieval selected, all steps and layers", mon.get("pages_selected"))
         doc = "time of the retrieval's page selection: one layer's call, or a decode step's (all layers)"
         for per, key in (("layer", "select_ms"), ("step", "step_select_ms")):

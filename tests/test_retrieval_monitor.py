@@ -47,11 +47,15 @@ def test_reading_every_page_hits_every_true_top_page_and_recalls_all_the_mass(
     tiny_random_llava, llava_batch, retrieval
 ):
     model, processor = tiny_random_llava
-    s = _generate(model, processor, llava_batch, retrieval=retrieval, read_budget=1.0, monitor_retrieval=True)
+    # 2x2 tiles: several candidate pages per head on the tiny model's 8x8 grid, so pairs of them exist
+    s = _generate(
+        model, processor, llava_batch, retrieval=retrieval, read_budget=1.0, monitor_retrieval=True, image_tile=2
+    )
     m = s["retrieval_monitor"]
     assert m["hit_rate"] == pytest.approx(1.0)
     assert m["attention_mass_recall"] == pytest.approx(1.0, abs=1e-6)
     assert m["page_utilisation"] == pytest.approx(1.0)
+    assert m["co_read_density"] == pytest.approx(1.0)  # every pair of pages read at every step
     n_layers = model.config.text_config.num_hidden_layers
     assert m["layer_steps"] == n_layers * s["decode_steps"]
     assert m["pages_selected"] > 0
@@ -65,9 +69,12 @@ def test_a_partial_read_budget_recalls_less_and_the_block_is_absent_when_not_ask
     m = _generate(
         model, processor, llava_batch, retrieval="quest", read_budget=0.25, monitor_retrieval=True, image_tile=2
     )
+    exported = to_prometheus(m)
     m = m["retrieval_monitor"]
+    assert f"mm_oval_retrieval_co_read_density {m['co_read_density']!r}" in exported
     assert 0.0 < m["attention_mass_recall"] < 1.0
     assert 0.0 < m["hit_rate"] <= 1.0 and 0.25 <= m["page_utilisation"] <= 1.0
+    assert 0.0 < m["co_read_density"] < 1.0
     plain = _generate(model, processor, llava_batch, retrieval="quest", read_budget=0.25)
     assert "retrieval_monitor" not in plain
     assert "retrieval_hit_rate" not in to_prometheus(plain)
@@ -81,6 +88,13 @@ def test_random_selection_hits_about_k_over_p_of_the_true_top_pages(tiny_random_
     # (about 300 head-steps: standard deviation ~0.011)
     assert s["retrieval_monitor"]["hit_rate"] == pytest.approx(0.25, abs=0.06)
     assert s["retrieval_monitor"]["page_utilisation"] > 0.5  # random picks spread over the pages
+    # a pair of the 16 pages is read together at a step with chance 4/16 * 3/15 = 0.05; within a window of
+    # the last w steps (w = 1..8, then 8) with chance 1 - 0.95^w: the mean over the 19 decode steps
+    from mm_oval.stats import CO_READ_WINDOW
+
+    steps = s["decode_steps"]
+    want = sum(1 - 0.95 ** min(t, CO_READ_WINDOW) for t in range(1, steps + 1)) / steps
+    assert s["retrieval_monitor"]["co_read_density"] == pytest.approx(want, abs=0.03)
 
 
 def _pages(keys: torch.Tensor, page_len: int):
