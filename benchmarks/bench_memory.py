@@ -10,6 +10,10 @@ heads = 32 KV heads of dim 128, MLP 11008) but `--layers` layers (2), LLaVA-1.5'
 prompts. Each configuration runs `generate(max_new_tokens=2)` (prefill, summaries, one decode step) in its
 own process, so one configuration's freed memory is not another's:
 
+Retrieval configurations run at their defaults (4x4 image tiles; Quest's float bounds, compact LOCKS / OVAL
+rank 8; the first router and router v2 with random weights of the model's shapes, router v2 over compact
+OVAL rank 2 like its default bundled weights) reading `--read-budget` of the pages.
+
 - kv / summaries / method MiB: the cache's allocated bytes after the request (mm_oval.stats: KV storage with
   its decode slots, page summaries, method state such as the kept `inputs_embeds`), and summaries / kv;
 - peak MiB: the process's peak resident memory during the request above its resident memory before the
@@ -52,7 +56,7 @@ from mm_oval.files import atomic_write_json  # noqa: E402
 from mm_oval.stats import get_stats  # noqa: E402
 from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava  # noqa: E402
 
-CONFIGS = ("dense", "snapkv", "quest", "locks", "oval", "router")
+CONFIGS = ("dense", "snapkv", "quest", "locks", "oval", "router", "router2")
 MIB = 2.0**20
 
 
@@ -70,7 +74,7 @@ def config(name: str, router_dir: str, read_budget: float) -> OvalConfig:
         return OvalConfig()
     if name == "snapkv":
         return OvalConfig(method="snapkv", budget=0.25)
-    options = {"weights": router_dir} if name == "router" else {}
+    options = {"weights": router_dir} if name in ("router", "router2") else {}
     return OvalConfig(retrieval=name, retrieval_options=options, read_budget=read_budget)
 
 
@@ -149,6 +153,16 @@ def child(args: argparse.Namespace) -> dict:
 
         shapes = RouterConfig(text.hidden_size, text.num_hidden_layers, text.num_key_value_heads)
         save_router(HybridRouter(shapes), args.router_dir)
+    if args.child == "router2":  # random weights over compact OVAL rank 2, as the default bundled ones
+        from mm_oval.policies.router2 import save_router2
+        from mm_oval.training.router import new_router2
+
+        net = new_router2(model, base="oval", base_options={"rank": 2})
+        torch.manual_seed(0)
+        with torch.no_grad():  # a fresh router's correction is zero (it would read no record): make it not
+            for p in net.parameters():
+                p.normal_(0.0, 0.02)
+        save_router2(net, args.router_dir)
     before = _status_mib("VmRSS")  # the same for every configuration: the peak is counted from here
     model = mm_oval.wrap(model, config(args.child, args.router_dir, args.read_budget))
     images, inputs = random_prompts(model, processor, args.images, args.batch, dtype)
