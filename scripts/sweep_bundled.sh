@@ -18,7 +18,9 @@ KVP=(kvp:$O kvp:$O,head_budget=shared,agents=bundled-joint
 EVICTION=("${KVP[@]}"
           expected_attention:$O adakv:$O,scorer=expected_attention kvzip:$O pyramidkv:$O adakv:$O
           keydiff:$O fastv:$O h2o:$O tova:$O snapkv:$O streamingllm:$O random:$O knorm:$O)
-RETRIEVAL=(oval:$O quest:$O router:$O)
+# 2x2 tiles (16 pages per image on the 64-token model's 8x8 grid; the default 4x4 would make 4) and OVAL's
+# float record: what these rows ran with before run format 3 made 4x4 tiles and compact records the defaults
+RETRIEVAL=(oval:$O,image_tile=2,summary_format=float quest:$O,image_tile=2 router:$O,image_tile=2)
 for task in vqav2 mmbench; do
     OMP_NUM_THREADS=1 "$BIN/mm-oval" sweep --model bundled --task "$task" --data bundled --compress image \
         --budgets "$BUDGETS" --batch-size 25 --no-progress --out "$OUT/sweep-$task" \
