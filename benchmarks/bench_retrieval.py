@@ -32,7 +32,8 @@ tokens exceed it, no optional page is read.
 Router v2 (`router2`) rows: `--router2 NAME=DIR ...`, or the bundled one when it was trained for the model
 (`--model bundled576`). Predict-ahead: for every method that scores pages from the query, the share of the
 pages it picks from the exact query that its pick from the previous position's query holds
-(`mm_oval.policies.router2.predict_ahead_hit_rate`), per KV head, at each page budget. `--width-cost` times
+(`mm_oval.policies.router2.predict_ahead_hit_rate`), per KV head, at each page budget; layer-ahead: the same
+from the layer before's query at the same position (`predict_ahead="layer"`). `--width-cost` times
 router v2's correction against one decode layer at LLaVA-1.5-7B's shape and reports its largest tensor
 against one layer's full KV.
 
@@ -177,6 +178,9 @@ def quality(
     count = 0
     ahead: dict[tuple[str, float], float] = {}  # predict-ahead hit rate sums and counts, per (method, budget)
     ahead_n: dict[tuple[str, float], int] = {}
+    # layer-ahead: the same from the layer before's query at the same position, per (method, budget)
+    ahead_layer: dict[tuple[str, float], float] = {}
+    ahead_layer_n: dict[tuple[str, float], int] = {}
     # (row, query head) pairs each metric averages over: the denominators
     heads = {"image_mass": 0, "top16_mass": 0, "focused_mass": 0}
     cap = Capture()
@@ -220,6 +224,7 @@ def quality(
             cand_tok[tok_page >= 0] = cand[0, 0][tok_page[tok_page >= 0]]
             last_img = int((info.modality[0] == IMAGE).nonzero().max())
             rows = list(range(max(n - prompt_queries, last_img + 2), total))
+            prev_q = None  # the layer before's queries (layer-ahead prediction)
             for layer, (q, k, v, scale) in sorted(cap.layers.items()):
                 mask = tok_idx >= 0
                 gk = k[:, :, :n].gather(
@@ -310,6 +315,12 @@ def quality(
                                 hit = predict_ahead_hit_rate(pol, ctx, q[:, :, i - 1 : i], b)[0]  # (Hkv,)
                                 ahead[(name, b)] = ahead.get((name, b), 0.0) + float(hit.sum())
                                 ahead_n[(name, b)] = ahead_n.get((name, b), 0) + hit.numel()
+                        if prev_q is not None and name != "router":
+                            # layer-ahead: this layer's pages chosen from the layer before's query (same row)
+                            for b in BUDGETS:
+                                hit = predict_ahead_hit_rate(pol, ctx, prev_q[:, :, i : i + 1], b)[0]
+                                ahead_layer[(name, b)] = ahead_layer.get((name, b), 0.0) + float(hit.sum())
+                                ahead_layer_n[(name, b)] = ahead_layer_n.get((name, b), 0) + hit.numel()
                         picks_b[name] = {
                             f: pol.select(ctx, pages_at[(name, f)][None])[0] for f in BYTES_BUDGETS
                         }
@@ -367,6 +378,7 @@ def quality(
                     count += 1
                     for metric, m in rows_of.items():
                         heads[metric] += int(m.sum())
+                prev_q = q
     q = {f"{name}|{b}|{metric}": v / max(heads[metric], 1) for (name, b, metric), v in sums.items()} | {
         "rows": count,
         "head_rows": heads["image_mass"],
@@ -378,6 +390,9 @@ def quality(
     ratio = lambda d: {f"{name}|{b}": v / max(dense_sum, 1.0) for (name, b), v in d.items()}  # noqa: E731
     return q, {
         "predict_ahead_hit": {f"{name}|{b}": v / max(ahead_n[(name, b)], 1) for (name, b), v in ahead.items()},
+        "layer_ahead_hit": {
+            f"{name}|{b}": v / max(ahead_layer_n[(name, b)], 1) for (name, b), v in ahead_layer.items()
+        },
         "quality_at_bytes": at_bytes,
         "read_vs_dense": ratio(read),
         "read_vs_dense_at_bytes": ratio(read_at_bytes),
@@ -603,6 +618,12 @@ def main() -> int:
         "\npredict-ahead: share of the pages the exact scores choose that the pages chosen from the previous "
         "position's query hold"
     )
+    print(f"{'method':<22}" + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS))
+    for name in methods:
+        if f"{name}|{BUDGETS[0]}" in hits:
+            print(f"{name:<22}" + "".join(f"{hits[f'{name}|{b}']:>9.3f}" for b in BUDGETS))
+    hits = by_bytes["layer_ahead_hit"]
+    print("\nlayer-ahead: the same, the pages chosen from the layer before's query at the same position")
     print(f"{'method':<22}" + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS))
     for name in methods:
         if f"{name}|{BUDGETS[0]}" in hits:

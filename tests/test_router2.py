@@ -228,6 +228,35 @@ def test_predict_ahead_hits_every_page_when_the_query_stays_and_uses_the_previou
     assert torch.equal(ahead.score_pages(other_request), exact.score_pages(other_request))
 
 
+def test_layer_ahead_scores_each_layer_with_the_query_of_the_layer_before_in_the_same_step():
+    """predict_ahead="layer": layer l's pages come from layer l-1's query of this step (so they can be
+    fetched while layer l-1 runs); layer 0, and a layer whose predecessor did not run in this step, use
+    their own query; a bad mode is refused by name."""
+    torch.manual_seed(1)
+    keys = torch.randn(1, 2, 6, 4, 16)
+    batch = PageBatch(
+        0, keys, keys, torch.ones(1, 2, 6, 4, dtype=torch.bool), torch.full((1, 2, 6), IMAGE, dtype=torch.int8), 0
+    )  # fmt: skip
+    ahead = Router2Retrieval(weights="none", predict_ahead="layer")
+    exact = Router2Retrieval(weights="none")
+    sums = ahead.summarize(batch)
+    q0, q1, q2 = (torch.randn(1, 4, 1, 16) for _ in range(3))
+    layer0 = _ctx(q0, sums)
+    layer1 = dataclasses.replace(layer0, layer_idx=1, query=q1)
+    layer2 = dataclasses.replace(layer0, layer_idx=2, query=q2)
+    assert torch.equal(ahead.score_pages(layer0), exact.score_pages(layer0))  # layer 0: its own query
+    assert torch.equal(ahead.score_pages(layer1), exact.score_pages(layer0))  # layer 1: layer 0's
+    assert torch.equal(ahead.score_pages(layer2), exact.score_pages(layer1))  # layer 2: layer 1's
+    assert not torch.equal(exact.score_pages(layer1), exact.score_pages(layer0))  # the queries differ
+    # the next step starts again at layer 0 with its own query; layer 2 right after it has no layer 1 yet
+    assert torch.equal(ahead.score_pages(layer0), exact.score_pages(layer0))
+    assert torch.equal(ahead.score_pages(layer2), exact.score_pages(layer2))
+    other_request = dataclasses.replace(layer1, step=StepState())  # another request: nothing kept
+    assert torch.equal(ahead.score_pages(other_request), exact.score_pages(other_request))
+    with pytest.raises(ConfigError, match="'off', 'step' or 'layer'"):
+        Router2Retrieval(weights="none", predict_ahead="ahead")
+
+
 def test_training_keeps_the_held_out_best_which_never_selects_worse_than_the_base(tiny_random_llava):
     model, processor = tiny_random_llava
     base = make_retrieval("quest")

@@ -287,6 +287,28 @@ class _StepMemory:
         self._items[ctx.layer_idx] = (weakref.ref(ctx.step), value)
 
 
+class _LayerMemory:
+    """The newest query row of the layer just before, in the same decode step of the same request (layers
+    run in order within a step; the cache's StepState identifies the step)."""
+
+    def __init__(self) -> None:
+        self._item: tuple[Any, int, torch.Tensor] | None = None
+
+    def get(self, ctx: DecodeContext) -> torch.Tensor | None:
+        item = self._item
+        if item is None or item[0]() is not ctx.step or item[1] != ctx.layer_idx - 1:
+            return None
+        return item[2]
+
+    def put(self, ctx: DecodeContext, query: torch.Tensor) -> None:
+        self._item = (weakref.ref(ctx.step), ctx.layer_idx, query)
+
+
+# "step": step t+1's pages from step t's query of the same layer; "layer": layer l+1's pages from layer l's
+# query of the same step (the first decode step, or layer 0, uses its own)
+PREDICT_AHEAD = ("off", "step", "layer")
+
+
 def predicted_context(ctx: DecodeContext, previous_query: torch.Tensor | None) -> DecodeContext:
     """The context a predict-ahead scorer sees: the previous step's query (the newest row) in place of this
     step's; this step's own when there is none (the first decode step)."""
@@ -304,7 +326,8 @@ class Router2Retrieval(RetrievalPolicy):
     default "bundled576-oval4c-r2"), or "none": no correction, the base scorer alone; weights whose
     correction is exactly zero act as "none"), `base` ("quest" or "oval"; with trained
     weights, the one they were trained on), `base_options` (the base scorer's options), `predict_ahead`
-    ("off" or "step"), `gcn_budget` (the share of candidates a step counts as read in the co-read graph),
+    ("off"; "step": from the previous step's query of the layer; "layer": from the layer before's query of
+    this step), `gcn_budget` (the share of candidates a step counts as read in the co-read graph),
     `record_format` ("auto": the base's summary_format; "float": the page embedding in the model's dtype;
     "compact": int8 with one fp16 scale per page, route_dim + 2 bytes)."""
 
@@ -325,8 +348,8 @@ class Router2Retrieval(RetrievalPolicy):
         skip_zero: bool = True,
         record_format: str = "auto",
     ):
-        if predict_ahead not in ("off", "step"):
-            raise ConfigError(f"router2: predict_ahead must be 'off' or 'step', got {predict_ahead!r}")
+        if predict_ahead not in PREDICT_AHEAD:
+            raise ConfigError(f"router2: predict_ahead must be 'off', 'step' or 'layer', got {predict_ahead!r}")
         if net is None and weights not in (None, "none"):
             w = str(weights)
             self.source = str(bundled_router2_path(w)) if w in BUNDLED else w
@@ -357,6 +380,7 @@ class Router2Retrieval(RetrievalPolicy):
         self.check_weights = check_weights
         self.gcn_budget = float(gcn_budget)
         self._previous_query = _StepMemory()
+        self._layer_query = _LayerMemory()
         self._history = _StepMemory()
         if model is not None:
             self.bind(model)
@@ -422,11 +446,13 @@ class Router2Retrieval(RetrievalPolicy):
     # scores -----------------------------------------------------------------------------------------
     def base_scores(self, ctx: DecodeContext) -> torch.Tensor:
         """The base scorer's page scores (floored at BASE_FLOOR), from this step's query or, predicting
-        ahead, the previous step's."""
-        if self.predict_ahead == "step":
-            prev = self._previous_query.get(ctx)
-            self._previous_query.put(ctx, ctx.query[:, :, -1:].detach())
-            if prev is not None and prev.shape[:2] != ctx.query.shape[:2]:
+        ahead, the previous step's query of this layer ("step") or this step's query of the layer before
+        ("layer")."""
+        if self.predict_ahead != "off":
+            memory = self._previous_query if self.predict_ahead == "step" else self._layer_query
+            prev = memory.get(ctx)
+            memory.put(ctx, ctx.query[:, :, -1:].detach())
+            if prev is not None and prev.shape != ctx.query[:, :, -1:].shape:
                 prev = None
             ctx = predicted_context(ctx, prev)
         sub = dataclasses.replace(ctx, summaries=self._base_summaries(ctx.summaries))
