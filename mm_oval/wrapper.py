@@ -326,7 +326,15 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
         attn = getattr(layer, "self_attn", None)
         if attn is not None and getattr(attn, "layer_idx", None) is not None:
             state.hooks.append(attn.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))
-    logger.info("wrapped %s: %s", type(model).__name__, config)
+    # the policies' options with their defaults spelled out (rank, summary_format, weights, ...)
+    resolved = config.resolved()
+    logger.info(
+        "wrapped %s: %s (method options %s, retrieval options %s)",
+        type(model).__name__,
+        config,
+        resolved["method_options"],
+        resolved["retrieval_options"],
+    )
     return model
 
 
