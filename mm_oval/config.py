@@ -294,7 +294,9 @@ class OvalConfig:
         ...): what this configuration does, spelled out, so a record of it (a run's identity) tells two
         configurations apart when a default changes under the same spec string."""
         load_builtin_policies()
-        d = self.to_dict()
+        # shallow: options may hold objects given through the Python API (agents, a router), not copied
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["method_options"], d["retrieval_options"] = dict(self.method_options), dict(self.retrieval_options)
         if self.method != "full":
             d["method_options"] = _with_defaults(EVICTION_REGISTRY[self.method], self.method_options)
         if self.retrieval is not None:
