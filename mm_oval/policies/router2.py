@@ -310,8 +310,9 @@ PREDICT_AHEAD = ("off", "step", "layer")
 
 
 def predicted_context(ctx: DecodeContext, previous_query: torch.Tensor | None) -> DecodeContext:
-    """The context a predict-ahead scorer sees: the previous step's query (the newest row) in place of this
-    step's; this step's own when there is none (the first decode step)."""
+    """The context a predict-ahead scorer sees: the query it predicts from (the newest row of the previous
+    step's, or of the layer before's) in place of this step's; this step's own when there is none (the first
+    decode step, layer 0)."""
     if previous_query is None:
         return ctx
     return dataclasses.replace(ctx, query=previous_query)
