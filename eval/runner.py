@@ -185,10 +185,10 @@ def check_method(method: str, budget: float | int | None) -> Any:
     return OvalConfig.from_spec(method, budget)
 
 
-def resolved_method(method: str, budget: float | int | None) -> dict[str, Any]:
-    """The configuration a method spec and budget run, every default included, as JSON values (the form a
-    run.json holds, so an identity read back compares equal): `OvalConfig.resolved`; {"method": "full"}."""
-    config = check_method(method, budget)
+def resolved_method(config: OvalConfig | None) -> dict[str, Any]:
+    """The configuration a method spec and budget run (`check_method`'s result), every default included, as
+    JSON values (the form a run.json holds, so an identity read back compares equal): `OvalConfig.resolved`;
+    {"method": "full"} for None."""
     resolved = {"method": "full"} if config is None else config.resolved()
     return json.loads(json.dumps(resolved, sort_keys=True, default=str))
 
@@ -691,7 +691,7 @@ class Evaluation:
             raise ConfigError(
                 "compress='image' is for single questions; multi-turn already asks after compression"
             )
-        check_method(o.method, budget)
+        method_config = check_method(o.method, budget)
         data_options = {k: v for k, v in (o.data_options or {}).items() if v is not None}
         data_path = resolve_data(self.data_arg)
         self.task, self.budget = task, budget
@@ -701,7 +701,7 @@ class Evaluation:
             data=str(data_path.resolve()) if str(self.data_arg) != "bundled" else "bundled",
             model=o.model_name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
             method=o.method,
-            resolved=resolved_method(o.method, budget),
+            resolved=resolved_method(method_config),
             budget=budget,
             limit=o.limit,
             max_new_tokens=self.max_new,
