@@ -176,11 +176,9 @@ def quality(
     read_at_bytes: dict[tuple[str, float], float] = {}
     dense_sum = 0.0
     count = 0
-    ahead: dict[tuple[str, float], float] = {}  # predict-ahead hit rate sums and counts, per (method, budget)
-    ahead_n: dict[tuple[str, float], int] = {}
-    # layer-ahead: the same from the layer before's query at the same position, per (method, budget)
-    ahead_layer: dict[tuple[str, float], float] = {}
-    ahead_layer_n: dict[tuple[str, float], int] = {}
+    # predict-ahead hit rate [sum, count] per (how, method, budget); how: "step" (the previous position's
+    # query of the layer) or "layer" (the layer before's query at the same position)
+    ahead: dict[tuple[str, str, float], list[float]] = {}
     # (row, query head) pairs each metric averages over: the denominators
     heads = {"image_mass": 0, "top16_mass": 0, "focused_mass": 0}
     cap = Capture()
@@ -309,18 +307,19 @@ def quality(
                     for name, pol in policies.items():
                         ctx.summaries = summaries[name]
                         picks[name] = {b: pol.select(ctx, b)[0] for b in BUDGETS}  # (Hkv, P) bool
-                        if i > rows[0] and name != "router":  # the router routes from the hidden state alone
-                            # predict-ahead: this step's pages chosen from the previous position's query
-                            for b in BUDGETS:
-                                hit = predict_ahead_hit_rate(pol, ctx, q[:, :, i - 1 : i], b)[0]  # (Hkv,)
-                                ahead[(name, b)] = ahead.get((name, b), 0.0) + float(hit.sum())
-                                ahead_n[(name, b)] = ahead_n.get((name, b), 0) + hit.numel()
+                        # predict-ahead: this row's pages chosen from another query (the router routes from
+                        # the hidden state alone)
+                        guesses = {}
+                        if i > rows[0] and name != "router":
+                            guesses["step"] = q[:, :, i - 1 : i]
                         if prev_q is not None and name != "router":
-                            # layer-ahead: this layer's pages chosen from the layer before's query (same row)
+                            guesses["layer"] = prev_q[:, :, i : i + 1]
+                        for how, guess in guesses.items():
                             for b in BUDGETS:
-                                hit = predict_ahead_hit_rate(pol, ctx, prev_q[:, :, i : i + 1], b)[0]
-                                ahead_layer[(name, b)] = ahead_layer.get((name, b), 0.0) + float(hit.sum())
-                                ahead_layer_n[(name, b)] = ahead_layer_n.get((name, b), 0) + hit.numel()
+                                hit = predict_ahead_hit_rate(pol, ctx, guess, b)[0]  # (Hkv,)
+                                tally = ahead.setdefault((how, name, b), [0.0, 0])
+                                tally[0] += float(hit.sum())
+                                tally[1] += hit.numel()
                         picks_b[name] = {
                             f: pol.select(ctx, pages_at[(name, f)][None])[0] for f in BYTES_BUDGETS
                         }
@@ -389,9 +388,9 @@ def quality(
     }
     ratio = lambda d: {f"{name}|{b}": v / max(dense_sum, 1.0) for (name, b), v in d.items()}  # noqa: E731
     return q, {
-        "predict_ahead_hit": {f"{name}|{b}": v / max(ahead_n[(name, b)], 1) for (name, b), v in ahead.items()},
-        "layer_ahead_hit": {
-            f"{name}|{b}": v / max(ahead_layer_n[(name, b)], 1) for (name, b), v in ahead_layer.items()
+        **{
+            key: {f"{name}|{b}": v / max(n, 1) for (h, name, b), (v, n) in ahead.items() if h == how}
+            for how, key in (("step", "predict_ahead_hit"), ("layer", "layer_ahead_hit"))
         },
         "quality_at_bytes": at_bytes,
         "read_vs_dense": ratio(read),
@@ -613,21 +612,18 @@ def main() -> int:
                 + "".join(f"{at[f'{name}|{f}|{metric}']:>9.3f}" for f in BYTES_BUDGETS)
                 + "".join(f"{rvd_b[f'{name}|{f}']:>9.2f}x" for f in BYTES_BUDGETS)
             )
-    hits = by_bytes["predict_ahead_hit"]
-    print(
-        "\npredict-ahead: share of the pages the exact scores choose that the pages chosen from the previous "
-        "position's query hold"
-    )
-    print(f"{'method':<22}" + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS))
-    for name in methods:
-        if f"{name}|{BUDGETS[0]}" in hits:
-            print(f"{name:<22}" + "".join(f"{hits[f'{name}|{b}']:>9.3f}" for b in BUDGETS))
-    hits = by_bytes["layer_ahead_hit"]
-    print("\nlayer-ahead: the same, the pages chosen from the layer before's query at the same position")
-    print(f"{'method':<22}" + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS))
-    for name in methods:
-        if f"{name}|{BUDGETS[0]}" in hits:
-            print(f"{name:<22}" + "".join(f"{hits[f'{name}|{b}']:>9.3f}" for b in BUDGETS))
+    for key, title in (
+        ("predict_ahead_hit", "predict-ahead: share of the pages the exact scores choose that the pages chosen "
+         "from the previous position's query hold"),
+        ("layer_ahead_hit", "layer-ahead: the same, the pages chosen from the layer before's query at the same "
+         "position"),
+    ):  # fmt: skip
+        hits = by_bytes[key]
+        print(f"\n{title}")
+        print(f"{'method':<22}" + "".join(f"{int(b * 100):>8d}%" for b in BUDGETS))
+        for name in methods:
+            if f"{name}|{BUDGETS[0]}" in hits:
+                print(f"{name:<22}" + "".join(f"{hits[f'{name}|{b}']:>9.3f}" for b in BUDGETS))
     r = max(args.ranks)  # scoring cost does not depend on eta
     timed = {
         k: v
