@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, ModelError
+from ..stats import CO_READ_WINDOW
 from .base import (
     IMAGE,
     BytesBudget,
@@ -80,7 +81,7 @@ class Router2Config:
     content: bool = True  # the content x text-state term
     locality: bool = False  # the distance-decay term (off by default: it added nothing over content)
     gcn: bool = False  # the co-read graph term
-    gcn_window: int = 8  # steps of page reads the co-read graph holds
+    gcn_window: int = CO_READ_WINDOW  # steps of page reads the co-read graph holds (the monitor's window too)
     model: dict[str, Any] = field(default_factory=dict)
     page_init: str = "pca"
     # a KV head whose step reads fewer pages than this uses its base's choice: below it, the correction
