@@ -40,13 +40,14 @@ from transformers import DynamicCache
 from ..config import OvalConfig
 from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..files import atomic_write_json, remove_stale_tmp
-from ..geometry import SUPPORTED_CLASSES
+from ..geometry import SUPPORTED_CLASSES, TEXT_FAMILIES, is_text_only
 from ..modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
 from ..prompts import COMPRESS_AT, chat_prompt, to_model
 from ..stats import get_stats
 from ..wrapper import new_cache, prefill, unwrap, wrap
 from .files import JsonlAppender, iter_records, read_json
 from .tasks import Item, Task, get_task, resolve_data
+from .textgen import generate_text, generate_text_conversation
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,30 @@ def parse_budget(raw: str | float | int | None) -> float | int | None:
         ) from None
 
 
+def check_model(model: Any, text_task: bool) -> None:
+    """A text task runs on a plain decoder-only LM (or any model the wrapper takes); an image task needs a
+    LLaVA-style model."""
+    if text_task:
+        if is_text_only(model) or getattr(getattr(model, "config", None), "image_token_id", None) is not None:
+            return
+        raise ModelError(
+            f"{type(model).__name__} is not a model the long-context text tasks run on: pass a plain "
+            f"decoder-only LM ({', '.join(TEXT_FAMILIES.values())}), e.g. --model smollm2"
+        )
+    if is_text_only(model):
+        raise ModelError(
+            f"{type(model).__name__} is a language model without a vision tower: image tasks need a LLaVA-style "
+            "model; for a plain LM pick a text task (passkey_1k, doorkeys_2k, keylist_1k, needle_4k, ...)"
+        )
+    check_llava(model)
+
+
 def check_llava(model: Any) -> None:
     cfg = getattr(model, "config", None)
-    if getattr(cfg, "model_type", None) not in SUPPORTED_CLASSES or getattr(cfg, "image_token_id", None) is None:
+    if (
+        getattr(cfg, "model_type", None) not in SUPPORTED_CLASSES
+        or getattr(cfg, "image_token_id", None) is None
+    ):
         raise ModelError(
             f"{type(model).__name__} is not a LLaVA-style model: the evaluation needs a "
             f"{' / '.join(SUPPORTED_CLASSES.values())} (config.model_type one of {', '.join(SUPPORTED_CLASSES)}, "
@@ -235,7 +257,8 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
         return sum(vals) / len(vals) if vals else None
 
     out = {
-        k: rows[0].get(k) for k in ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget")
+        k: rows[0].get(k)
+        for k in ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget")
     }
     out.update(
         {
@@ -677,8 +700,9 @@ class Evaluation:
     # behind that refuses the corrected command)
     def load(self) -> None:
         o, model = self.options, self.model
-        check_llava(model)
         task = get_task(self.task_arg) if isinstance(self.task_arg, str) else self.task_arg
+        text_task = getattr(task, "kind", None) is not None  # a long-context text task (eval/longtext.py)
+        check_model(model, text_task)
         task.rule(o.rules)  # the scoring rule (recorded in scores["rules"]); an unknown name fails here
         budget = parse_budget(o.budget)
         _check_count("--batch-size", o.batch_size, required=True)
@@ -687,9 +711,14 @@ class Evaluation:
         _check_count("--multi-turn", o.multi_turn)
         if o.compress not in COMPRESS_AT:
             raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {o.compress!r}")
-        if o.compress == "image" and o.multi_turn:
+        if o.compress in ("image", "context") and o.multi_turn:
             raise ConfigError(
-                "compress='image' is for single questions; multi-turn already asks after compression"
+                f"compress={o.compress!r} is for single questions; multi-turn already asks after compression"
+            )
+        if (o.compress == "context") != text_task and o.compress != "prompt":
+            raise ConfigError(
+                f"compress={o.compress!r} does not apply to {task.name}: compress 'image' is for image tasks, "
+                "'context' for the long-context text tasks (both compress before the question is read)"
             )
         method_config = check_method(o.method, budget)
         data_options = {k: v for k, v in (o.data_options or {}).items() if v is not None}
@@ -769,7 +798,18 @@ class Evaluation:
         """One generate call; the records of its items not recorded yet."""
         o, model, processor = self.options, self.model, self.processor
         kv_rows: list[dict] = []
-        if o.multi_turn:
+        if flat and flat[0].context is not None:  # a long-context text task
+
+            def record() -> None:
+                stats = _kv_stats(model)
+                if stats:
+                    kv_rows.append(stats)
+
+            if o.multi_turn:
+                answers = generate_text_conversation(model, processor, flat, self.max_new)
+            else:
+                answers = generate_text(model, processor, flat, self.max_new, o.compress, on_request=record)
+        elif o.multi_turn:
             answers = generate_conversation(model, processor, flat, self.max_new)
         elif o.compress == "image":
             answers = generate_image_first(model, processor, flat, self.max_new, kv_rows=kv_rows)

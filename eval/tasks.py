@@ -19,13 +19,16 @@ from ..zoo import bundled576_data_dir, bundled_data_dir
 @dataclass
 class Item:
     """One question. `id` is unique within the task (a string, so it can key JSON); `image` loads the
-    image lazily; `meta` holds what the scorer needs; `group` names the conversation in multi-turn mode."""
+    image lazily; `meta` holds what the scorer needs; `group` names the conversation in multi-turn mode.
+    A text task's item has no image (`image()` returns None) and a `context`: the text read before the
+    question (the question-agnostic setting compresses the cache right after it)."""
 
     id: str
     prompt: str
-    image: Callable[[], Image.Image]
+    image: Callable[[], Image.Image | None]
     meta: dict[str, Any] = field(default_factory=dict)
     group: str | None = None
+    context: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,12 @@ TASKS: dict[str, str] = {
     "textvqa": "mm_oval.eval.textvqa:TextVQATask",
     "pope": "mm_oval.eval.pope:POPETask",
     "objlist": "mm_oval.eval.objlist:ObjListTask",
+    # long-context text tasks (plain language models): <kind>_<length>
+    **{
+        f"{kind}_{length}": f"mm_oval.eval.longtext:{kind.capitalize()}{length.upper()}Task"
+        for kind in ("passkey", "doorkeys", "keylist", "needle")
+        for length in ("1k", "2k", "4k")
+    },
 }
 
 

@@ -286,6 +286,21 @@ class OvalConfig:
             raise ConfigError(f"unknown OvalConfig field(s) {sorted(unknown)}; known: {field_names()}")
         return dataclasses.replace(self, **changes)
 
+    def for_text_only(self) -> OvalConfig:
+        """This configuration on a plain decoder-only LM (no image tokens): `budget` is the share (or count)
+        of the context's tokens kept, and every page is a retrieval candidate (the pages are all text). A
+        `text_budget` alone means the same; the two given with different values are refused."""
+        budget, text_budget = self.budget, self.text_budget
+        if budget != 1.0 and text_budget != 1.0 and budget != text_budget:
+            raise ConfigError(
+                f"a plain language model has one context budget, but budget={budget!r} and "
+                f"text_budget={text_budget!r} were both given: give budget alone (the fraction or count of the "
+                "context's tokens kept)"
+            )
+        kept = budget if budget != 1.0 else text_budget
+        scope = "all" if self.retrieval else self.read_scope
+        return dataclasses.replace(self, budget=kept, text_budget=kept, read_scope=scope)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -300,7 +315,9 @@ class OvalConfig:
         if self.method != "full":
             d["method_options"] = _with_defaults(EVICTION_REGISTRY[self.method], self.method_options)
         if self.retrieval is not None:
-            d["retrieval_options"] = _with_defaults(RETRIEVAL_REGISTRY[self.retrieval], self.retrieval_options)
+            d["retrieval_options"] = _with_defaults(
+                RETRIEVAL_REGISTRY[self.retrieval], self.retrieval_options
+            )
         return d
 
     @classmethod
@@ -342,7 +359,9 @@ class OvalConfig:
             if key.startswith("retrieval."):  # an option of the retrieval method (e.g. retrieval.rank=4)
                 sub = key[len("retrieval.") :]
                 if not sub:
-                    raise ConfigError(f"bad item {item!r} in method spec {spec!r}; write retrieval.<option>=value")
+                    raise ConfigError(
+                        f"bad item {item!r} in method spec {spec!r}; write retrieval.<option>=value"
+                    )
                 if sub in fields.get("retrieval_options", {}):
                     raise ConfigError(f"{key!r} is given twice in method spec {spec!r}; give each key once")
                 fields.setdefault("retrieval_options", {})[sub] = _parse_value(raw.strip())

@@ -37,14 +37,21 @@ import torch
 from .core import Rope
 from .errors import ConfigError, DataError, ModelError
 
-# model_type -> how its images are laid out
-FIXED, ANYRES, ANYRES_MAX, THW = "fixed", "anyres", "anyres_max", "thw"
+# model_type -> how its images are laid out; TEXT: a plain decoder-only language model (no images)
+FIXED, ANYRES, ANYRES_MAX, THW, TEXT_ONLY = "fixed", "anyres", "anyres_max", "thw", "text"
 FAMILIES = {
     "llava": FIXED,
     "llava_next": ANYRES,
     "llava_onevision": ANYRES_MAX,
     "qwen2_vl": THW,
     "qwen2_5_vl": THW,
+}
+# the decoder-only language models LLaVA-style models are built on, wrapped on their own (text pages only)
+TEXT_FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_CLASSES = {
     "llava": "LlavaForConditionalGeneration",
@@ -114,9 +121,40 @@ class Geometry:
 
 
 # ---- the model --------------------------------------------------------------------------------------------
+def is_text_only(model: Any) -> bool:
+    """A plain decoder-only language model of a family mm-oval wraps (`TEXT_FAMILIES`): no vision tower,
+    no image tokens, its decoder at `model.model.layers`."""
+    cfg = getattr(model, "config", None)
+    return (
+        getattr(cfg, "model_type", None) in TEXT_FAMILIES
+        and getattr(cfg, "vision_config", None) is None
+        and hasattr(getattr(model, "model", None), "layers")
+    )
+
+
+def language_model(model: Any) -> Any:
+    """The decoder (with `.layers` and `.rotary_emb`) of a LLaVA-style model (`model.model.language_model`)
+    or of a plain decoder-only LM (`model.model`); a ModelError saying what mm-oval wraps otherwise."""
+    if is_text_only(model):
+        return model.model
+    inner = getattr(model, "model", None)
+    lm = getattr(inner, "language_model", None)
+    if lm is None or not hasattr(lm, "layers") or getattr(model.config, "image_token_id", None) is None:
+        raise ModelError(
+            f"{type(model).__name__} is not a LLaVA-style model nor a plain decoder-only language model "
+            "mm-oval wraps: mm_oval.wrap needs a LlavaForConditionalGeneration, "
+            "LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration or "
+            "Qwen2_5_VLForConditionalGeneration (model.model.language_model.layers and config.image_token_id), "
+            f"e.g. llava-hf/llava-1.5-7b-hf or mm_oval.zoo's tiny model, or one of {', '.join(TEXT_FAMILIES.values())}"
+        )
+    return lm
+
+
 def family_of(model: Any) -> str:
-    """The layout family of `model` (FIXED, ANYRES, ANYRES_MAX, THW); a ModelError naming what is missing
-    for a model mm-oval does not support."""
+    """The layout family of `model` (FIXED, ANYRES, ANYRES_MAX, THW, or TEXT_ONLY for a plain decoder-only
+    LM); a ModelError naming what is missing for a model mm-oval does not support."""
+    if is_text_only(model):
+        return TEXT_ONLY
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
     fam = FAMILIES.get(mt)
@@ -124,7 +162,8 @@ def family_of(model: Any) -> str:
     if fam is None:
         raise ModelError(
             f"{type(model).__name__} (model_type {mt!r}) is not a model family mm-oval knows the image layout of: "
-            f"it reads how many tokens each image takes, and their rows and columns, for {supported}"
+            f"it reads how many tokens each image takes, and their rows and columns, for {supported}; "
+            f"plain language models: {', '.join(TEXT_FAMILIES.values())}"
         )
     if getattr(cfg, "image_token_id", None) is None:
         raise ModelError(
@@ -170,8 +209,8 @@ def _base_part(model: Any) -> Part:
 
 def tokens_per_view(model: Any) -> int:
     """Feature tokens of one image_size view (a LLaVA-1.5 image): the fixed count where a family has one,
-    e.g. for `Chat`'s grid; 0 for Qwen2-VL (every image its own size)."""
-    if family_of(model) == THW:
+    e.g. for `Chat`'s grid; 0 for Qwen2-VL (every image its own size) and for a plain LM (no images)."""
+    if family_of(model) in (THW, TEXT_ONLY):
         return 0
     return _view_tokens(model)
 
@@ -294,6 +333,20 @@ def image_geometry(
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ConfigError(
             "mm-oval reads padding from a 2-D attention_mask (batch, tokens); a prepared 4-D mask is not supported"
+        )
+    if fam == TEXT_ONLY:  # a plain LM: every token is text
+        if any(inputs.get(k) is not None for k in GEOMETRY_INPUTS if k != "position_ids"):
+            raise ConfigError(
+                f"{type(model).__name__} is a language model without a vision tower: pass input_ids only, "
+                "no pixel values"
+            )
+        none = torch.zeros(B, N, dtype=torch.bool, device=device)
+        return Geometry(
+            none,
+            none.clone(),
+            torch.full((B, N, 3), -1, dtype=torch.long, device=device),
+            [[] for _ in range(B)],
+            image_tokens=[[] for _ in range(B)],
         )
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     is_image = torch.zeros(B, N, dtype=torch.bool, device=device)

@@ -29,8 +29,9 @@ OPTION_LETTERS = ("A", "B", "C", "D")
 # where the cache is compressed: "prompt" = after the whole prompt (image + question) is prefilled, as
 # LLaVA evaluates; "image" = right after the image, before the question is read (question-agnostic: the
 # setting of an image cached once and asked about later; the first answer token is then computed on the
-# compressed cache too). The harness's --compress and the traces' prompt end.
-COMPRESS_AT = ("prompt", "image")
+# compressed cache too). "context" is the same for a text task: the cache compressed right after the
+# context, before the question is read (kvpress's protocol). The harness's --compress and the traces' prompt end.
+COMPRESS_AT = ("prompt", "image", "context")
 
 
 def is_none(cell: Any) -> bool:

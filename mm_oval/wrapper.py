@@ -48,7 +48,7 @@ from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .core import Rope
 from .errors import ConfigError, ModelError
-from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry
+from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry, is_text_only, language_model
 from .registry import make_eviction, make_retrieval
 from .stats import cache_stats
 
@@ -69,17 +69,7 @@ class WrapState:
 
 
 def _language_model(model: Any) -> Any:
-    inner = getattr(model, "model", None)
-    lm = getattr(inner, "language_model", None)
-    if lm is None or not hasattr(lm, "layers") or getattr(model.config, "image_token_id", None) is None:
-        raise ModelError(
-            f"{type(model).__name__} is not a LLaVA-style model: mm_oval.wrap needs a "
-            "LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
-            "LlavaOnevisionForConditionalGeneration or Qwen2_5_VLForConditionalGeneration "
-            "(model.model.language_model.layers and config.image_token_id), "
-            "e.g. llava-hf/llava-1.5-7b-hf or mm_oval.zoo's tiny model"
-        )
-    return lm
+    return language_model(model)
 
 
 def _eager_of(module: Any):
@@ -217,7 +207,7 @@ def _lm_post_hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
 def new_cache(model: Any) -> PagedMultimodalCache:
     """A fresh cache for one request through the wrapped `model`."""
     state: WrapState = _state(model)
-    return PagedMultimodalCache(model.config.text_config, state.config, state.eviction, state.retrieval)
+    return PagedMultimodalCache(model.config.get_text_config(), state.config, state.eviction, state.retrieval)
 
 
 def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -281,6 +271,11 @@ def _begin_request(
     )
 
 
+def is_wrapped(model: Any) -> bool:
+    """Whether `model` is wrapped by `mm_oval.wrap` now."""
+    return getattr(model, "_mm_oval", None) is not None
+
+
 def _state(model: Any) -> WrapState:
     state = getattr(model, "_mm_oval", None)
     if state is None:
@@ -296,6 +291,8 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     if config is not None and not isinstance(config, OvalConfig):
         raise ConfigError(f"config must be an OvalConfig, got {type(config).__name__}")
     config = (config or OvalConfig()).replace(**overrides) if overrides else (config or OvalConfig())
+    if is_text_only(model):  # a plain LM: the budgets are over its context (text pages only)
+        config = config.for_text_only()
     eviction = make_eviction(config.method, **config.method_options) if config.method != "full" else None
     retrieval = make_retrieval(config.retrieval, **config.retrieval_options) if config.retrieval else None
     for policy in (

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, ModelError
+from ..geometry import language_model
 from .base import EvictionPolicy, PrefillContext, register_eviction
 
 
@@ -86,8 +87,8 @@ class ExpectedAttention(EvictionPolicy):
 
     def bind(self, model: object) -> None:
         """The future positions need the language model's RoPE (`mm_oval.wrap` calls this)."""
-        lm = getattr(getattr(model, "model", None), "language_model", None)
-        if lm is not None and getattr(lm, "rotary_emb", None) is None:
+        lm = language_model(model)
+        if getattr(lm, "rotary_emb", None) is None:
             raise ModelError(
                 f"expected_attention needs the language model's rotary embedding (RoPE), which "
                 f"{type(lm).__name__} does not have (no .rotary_emb): use another method for this model"

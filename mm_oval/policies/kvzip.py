@@ -50,6 +50,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import ConfigError, ModelError
+from ..geometry import FIXED, TEXT_ONLY, family_of, language_model
 from .base import EvictionPolicy, PrefillContext, register_eviction
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -154,7 +155,10 @@ class _Embeds(Exception):
 
 def _prompt_embeds(model: Any, lm: Any, input_ids, attention_mask, pixel_values) -> torch.Tensor:
     """The language model's input embeddings of the prompt, image features scattered in, as the model's own
-    forward builds them (it is stopped at the language model's first layer: the image is encoded once)."""
+    forward builds them (it is stopped at the language model's first layer: the image is encoded once).
+    A plain LM's are its token embeddings."""
+    if lm is model.model:
+        return model.get_input_embeddings()(input_ids)
 
     def stop(module, args, kwargs):
         raise _Embeds(kwargs["inputs_embeds"])
@@ -206,9 +210,10 @@ class KVzip(EvictionPolicy):
         """Encode the repeat prompts with the model's tokenizer and chat template (`mm_oval.wrap` calls
         this). The tokenizer comes from the `tokenizer` option, else from the folder the model was loaded
         from; a model built in memory needs the option."""
-        from ..geometry import FIXED, family_of
-
-        if family_of(model) != FIXED:  # its own pass feeds pixel_values alone, with 1-D positions
+        if family_of(model) not in (
+            FIXED,
+            TEXT_ONLY,
+        ):  # its own pass feeds pixel_values alone, with 1-D positions
             raise ConfigError(
                 "kvzip reconstructs the prompt in its own pass with LLaVA-1.5's inputs (pixel_values, 1-D "
                 f"RoPE); it does not run on {type(model).__name__} (image_sizes / image_grid_thw, M-RoPE): use "
@@ -252,9 +257,7 @@ class KVzip(EvictionPolicy):
         if self._ids is None:
             self.bind(model)
         repeat_ids, continue_ids, suffix_ids = self._ids
-        lm = getattr(getattr(model, "model", None), "language_model", None)
-        if lm is None:
-            raise ModelError(f"kvzip: {type(model).__name__} is not a LLaVA-style model")
+        lm = language_model(model)
         device = input_ids.device
         B, N = input_ids.shape
         mask = (
