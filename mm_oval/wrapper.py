@@ -47,7 +47,7 @@ from .allocation import check_policy
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .core import Rope
-from .errors import ConfigError, ModelError
+from .errors import ConfigError
 from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry, is_text_only, language_model
 from .registry import make_eviction, make_retrieval
 from .stats import cache_stats
