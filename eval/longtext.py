@@ -258,7 +258,7 @@ def _task_class(kind: str, length: str) -> type[LongTextTask]:
             "name": name,
             "kind": kind,
             "length": length,
-            "max_new_tokens": 64 if kind == "keylist" else 24,
+            "max_new_tokens": 64 if kind == "keylist" else 16,
             "__module__": __name__,
         },
     )
