@@ -15,6 +15,11 @@ Tasks (each at about 1k, 2k and 4k tokens of context, SmolLM2's tokenizer: `pass
   order (primary); also the share of keys in place.
 - `needle`: one fact hidden in the document ("The secret ingredient of the soup is saffron."); "What is
   the secret ingredient of the soup?". Correct when the answer holds the word.
+- `message`: a secret message of 8 words hidden in the document ("The secret message is: bring the
+  silver key to the old mill before noon."); "What is the secret message?": a longer answer decoded from
+  the compressed cache. Correct when the answer holds the message's words in order (lowercase words).
+- `trio`: a pass key, a soup ingredient and a secret message in one document, three questions about it
+  (one per fact; the conversation setting asks them in turn over one compressed context).
 
 Data: a folder (or the file itself) with `longtext.json`, {"seed": int, "per_length": int, "lengths":
 {"1k": sentences, ...}}, or `--data bundled` / `bundled576` for the project's own spec; the items are
@@ -55,7 +60,7 @@ BUNDLED_SPEC: dict[str, Any] = {
     "lengths": {"1k": 80, "2k": 164, "4k": 332},
 }
 LENGTHS = ("1k", "2k", "4k")
-KINDS = ("passkey", "doorkeys", "keylist", "needle")
+KINDS = ("passkey", "doorkeys", "keylist", "needle", "message", "trio")
 DOORS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")
 INGREDIENTS = ("saffron", "ginger", "cinnamon", "nutmeg", "basil", "rosemary", "paprika", "vanilla",
                "oregano", "thyme", "cardamom", "turmeric", "lemongrass", "fennel", "mustard", "sage")  # fmt: skip
@@ -71,6 +76,11 @@ _PLACES = ("near the harbour", "after lunch", "before the rain", "on a windy mor
            "at the end of the street", "during the festival", "in the late evening", "by the old mill",
            "next to the library", "under the bridge", "on the hill", "at the train station",
            "in the quiet square", "beside the lake")  # fmt: skip
+_MESSAGE_OBJECTS = ("silver key", "red lantern", "old map", "small parcel", "green bottle", "wooden box",
+                    "blue letter", "brass compass")  # fmt: skip
+_MESSAGE_PLACES = ("old mill", "north gate", "stone bridge", "fish market", "east tower", "village well",
+                   "iron fountain", "last pier")  # fmt: skip
+_MESSAGE_TIMES = ("noon", "sunset", "midnight", "dawn", "friday", "tuesday")
 _DIGITS = re.compile(r"(?<!\d)\d{5}(?!\d)")
 _WORD = re.compile(r"[a-z]+")
 PASSKEY_INTRO = (
@@ -129,13 +139,36 @@ def generate(kind: str, length: str, spec: dict[str, Any]) -> list[Item]:
                     items.append(_item(f"{cid}-{d}", context, q, {"key": k}, group=cid))
         elif kind == "needle":
             word = rng.choice(INGREDIENTS)
-            needle = f"The secret ingredient of the soup is {word}."
-            context = f"{PASSKEY_INTRO}\n\n{_document(rng, n_sent, [needle])}"
-            question = "What is the secret ingredient of the soup? Answer with one word."
-            items.append(_item(cid, context, question, {"word": word}))
+            context = f"{PASSKEY_INTRO}\n\n{_document(rng, n_sent, [_INGREDIENT.format(word)])}"
+            items.append(_item(cid, context, INGREDIENT_QUESTION, {"word": word}))
+        elif kind == "message":
+            msg = _message(rng)
+            context = f"{PASSKEY_INTRO}\n\n{_document(rng, n_sent, [_MESSAGE.format(msg)])}"
+            items.append(_item(cid, context, MESSAGE_QUESTION, {"message": msg}))
+        elif kind == "trio":
+            key, word, msg = _key(rng, set()), rng.choice(INGREDIENTS), _message(rng)
+            facts = [f"The pass key is {key}. Remember it.", _INGREDIENT.format(word), _MESSAGE.format(msg)]
+            order = rng.sample(range(3), 3)  # the facts' order in the document
+            context = f"{PASSKEY_INTRO}\n\n{_document(rng, n_sent, [facts[k] for k in order])}"
+            items += [
+                _item(f"{cid}-key", context, "What is the pass key?", {"key": key}, group=cid),
+                _item(f"{cid}-ingredient", context, INGREDIENT_QUESTION, {"word": word}, group=cid),
+                _item(f"{cid}-message", context, MESSAGE_QUESTION, {"message": msg}, group=cid),
+            ]
         else:
             raise ConfigError(f"unknown long-context task kind {kind!r}; choose one of {KINDS}")
     return items
+
+
+_INGREDIENT = "The secret ingredient of the soup is {}."
+INGREDIENT_QUESTION = "What is the secret ingredient of the soup? Answer with one word."
+_MESSAGE = "The secret message is: {}."
+MESSAGE_QUESTION = "What is the secret message?"
+
+
+def _message(rng: random.Random) -> str:
+    """Eight words: bring the <object> to the <place> before <time>."""
+    return f"bring the {rng.choice(_MESSAGE_OBJECTS)} to the {rng.choice(_MESSAGE_PLACES)} before {rng.choice(_MESSAGE_TIMES)}"
 
 
 def _no_image() -> None:
@@ -157,8 +190,13 @@ def score_item(kind: str, prediction: str | None, meta: dict) -> dict[str, float
         got, want = keys_in(prediction), meta["keys"]
         in_place = sum(g == w for g, w in zip(got, want)) / len(want)
         return {"accuracy": float(got == want), "keys_in_place": in_place}
-    if kind == "needle":
-        return {"accuracy": float(meta["word"] in _WORD.findall((prediction or "").lower()))}
+    words = _WORD.findall((prediction or "").lower())
+    if "word" in meta:
+        return {"accuracy": float(meta["word"] in words)}
+    if "message" in meta:
+        want = meta["message"].split()
+        found = any(words[i : i + len(want)] == want for i in range(len(words) - len(want) + 1))
+        return {"accuracy": float(found)}
     got = keys_in(prediction)
     return {"accuracy": float(bool(got) and got[0] == meta["key"])}
 
@@ -258,7 +296,7 @@ def _task_class(kind: str, length: str) -> type[LongTextTask]:
             "name": name,
             "kind": kind,
             "length": length,
-            "max_new_tokens": 64 if kind == "keylist" else 16,
+            "max_new_tokens": {"keylist": 64, "message": 32, "trio": 32}.get(kind, 16),
             "__module__": __name__,
         },
     )

@@ -111,7 +111,7 @@ TASKS: dict[str, str] = {
     # long-context text tasks (plain language models): <kind>_<length>
     **{
         f"{kind}_{length}": f"mm_oval.eval.longtext:{kind.capitalize()}{length.upper()}Task"
-        for kind in ("passkey", "doorkeys", "keylist", "needle")
+        for kind in ("passkey", "doorkeys", "keylist", "needle", "message", "trio")
         for length in ("1k", "2k", "4k")
     },
 }
