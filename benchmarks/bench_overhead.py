@@ -125,14 +125,15 @@ KVZIP_REPEAT_TOKENS = 14  # "\n\nRepeat the previous context exactly." + " ASSIS
 
 def kvzip_jobs(layer, cfg, rope, x, pe, g):
     """KVzip's pre-pass for one layer, as `mm_oval.policies.kvzip` runs it: the prompt's forward (into a
-    DynamicCache), then the reconstruction forward over [repeat prompt, prompt] on that cache through KVzip's
-    capture attention, which scores the prompt's keys (SDPA for the layer's output). Also the scoring alone.
-    Not counted here: the pre-pass's second run of the vision tower and embeddings (the model's side)."""
+    DynamicCache), then the reconstruction forward over [repeat prompt, prompt] on that cache through the Q/K
+    capture (`mm_oval.measures.capture_qk`), whose queries and keys score the prompt's keys (SDPA for the
+    layer's output). Also the scoring alone. Not counted here: the pre-pass's second run of the vision tower
+    and embeddings (the model's side)."""
     from transformers import DynamicCache
 
-    from mm_oval.policies.kvzip import _ACTIVE, CAPTURE_ATTN, _Chunk, _register_capture, reconstruction_scores
+    from mm_oval.measures import capture_qk
+    from mm_oval.policies.kvzip import _ACTIVE, _Chunk, _score_layer, reconstruction_scores
 
-    _register_capture()
     s, dev, N = LLAVA7B, x.device, x.shape[1]
     R = N + KVZIP_REPEAT_TOKENS
     xr = (torch.randn(1, R, s["hidden"], generator=g) * 0.5).to(device=dev, dtype=x.dtype)
@@ -145,13 +146,12 @@ def kvzip_jobs(layer, cfg, rope, x, pe, g):
     def prepass():
         cache = DynamicCache()
         layer(x, position_embeddings=pe, cache=cache, use_cache=True)
-        old, cfg._attn_implementation = cfg._attn_implementation, CAPTURE_ATTN
-        token = _ACTIVE.set(chunk)
-        try:
-            layer(xr, attention_mask=mask, position_embeddings=per, cache=cache, use_cache=True)
-        finally:
-            _ACTIVE.reset(token)
-            cfg._attn_implementation = old
+        with capture_qk(cfg, on_layer=_score_layer):
+            token = _ACTIVE.set(chunk)
+            try:
+                layer(xr, attention_mask=mask, position_embeddings=per, cache=cache, use_cache=True)
+            finally:
+                _ACTIVE.reset(token)
 
     q = torch.randn(1, s["heads"], R, s["head_dim"], generator=g).to(device=dev, dtype=x.dtype)
     k = torch.randn(1, s["kv_heads"], N + R, s["head_dim"], generator=g).to(device=dev, dtype=x.dtype)

@@ -57,6 +57,7 @@ import mm_oval
 from mm_oval.cache import kv_bytes_per_token, page_kv_bytes, pages_within_bytes, request_info
 from mm_oval.config import OvalConfig
 from mm_oval.files import atomic_write_json
+from mm_oval.measures import capture_qk, group_mean, page_mass
 from mm_oval.pages import layout_pages
 from mm_oval.policies.base import (
     IMAGE,
@@ -95,26 +96,6 @@ def load(model_dir: str | None):
             return model, processor, "tiny random LLaVA (bundled model absent)"
     model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
     return model, AutoProcessor.from_pretrained(model_dir), model_dir
-
-
-class Capture:
-    """Queries/keys/values of every layer from one forward (an attention function that records, then runs SDPA)."""
-
-    NAME = "mm_oval_bench_capture"
-
-    def __init__(self):
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        def fn(module, query, key, value, attention_mask, scaling=None, **kw):
-            s = scaling if scaling is not None else query.shape[-1] ** -0.5
-            self.layers[int(module.layer_idx)] = (query.detach(), key.detach(), value.detach(), s)
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
-
-        AttentionInterface.register(self.NAME, fn)
-        AttentionMaskInterface.register(self.NAME, sdpa_mask)
 
 
 def methods_for(
@@ -181,7 +162,6 @@ def quality(
     ahead: dict[tuple[str, str, float], list[float]] = {}
     # (row, query head) pairs each metric averages over: the denominators
     heads = {"image_mass": 0, "top16_mass": 0, "focused_mass": 0}
-    cap = Capture()
     box: dict[str, Any] = {}
     hooks = hidden_and_embeds_hooks(lm, box)
     with hooked(model, hooks):
@@ -192,12 +172,8 @@ def quality(
             n = inputs["input_ids"].shape[1]
             model.set_attn_implementation("sdpa")
             seq = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
-            lm.set_attn_implementation(Capture.NAME)
-            model(
-                input_ids=seq,
-                pixel_values=inputs["pixel_values"],
-                attention_mask=torch.ones_like(seq),
-            )
+            with capture_qk(lm) as cap:
+                model(input_ids=seq, pixel_values=inputs["pixel_values"], attention_mask=torch.ones_like(seq))
             ids = seq
             total = ids.shape[1]
             tpi = int((inputs["input_ids"] == cfg.image_token_id).sum())
@@ -223,7 +199,8 @@ def quality(
             last_img = int((info.modality[0] == IMAGE).nonzero().max())
             rows = list(range(max(n - prompt_queries, last_img + 2), total))
             prev_q = None  # the layer before's queries (layer-ahead prediction)
-            for layer, (q, k, v, scale) in sorted(cap.layers.items()):
+            for layer, qk in sorted(cap.layers.items()):
+                q, k, v, scale = qk.query, qk.key, qk.value, qk.scaling
                 mask = tok_idx >= 0
                 gk = k[:, :, :n].gather(
                     2, tok_idx.clamp(min=0).flatten(2).unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
@@ -264,9 +241,7 @@ def quality(
                     att = torch.softmax(logits.float(), -1)[:, :n]  # mass on prompt tokens
                     att = torch.nn.functional.pad(att, (0, n - att.shape[-1]))
                     img_att = att * cand_tok  # (Hq, n)
-                    page_mass = torch.zeros(hq, p).index_add_(
-                        1, tok_page.clamp(min=0), img_att * (tok_page >= 0)
-                    )
+                    mass_of_page = page_mass(img_att, tok_page, p)  # (Hq, P)
                     # a query head that puts (almost) no mass on the candidate pages has no share to
                     # capture: it is left out for every method and for random alike
                     mass = img_att.sum(-1)  # (Hq,)
@@ -325,7 +300,7 @@ def quality(
                         }
                     # the oracle: the pages with the largest group-mean share of each head's image mass
                     # (the metric below is that mean share, so these pages maximise it)
-                    gm = (page_mass / tot.unsqueeze(-1)).view(hkv, group, p).mean(1)
+                    gm = group_mean(mass_of_page / tot.unsqueeze(-1), hkv)
                     ctx.summaries = {}
                     order = gm.masked_fill(~cand[0], -1.0).argsort(-1, descending=True).argsort(-1)
                     for b in BUDGETS:
@@ -342,7 +317,7 @@ def quality(
                         for name, per_b in chosen.items():
                             for b, sel in per_b.items():
                                 sel_q = sel.repeat_interleave(group, 0)  # (Hq, P)
-                                share = (page_mass * sel_q).sum(-1) / tot
+                                share = (mass_of_page * sel_q).sum(-1) / tot
                                 read_tok = sel_q.gather(1, tok_page.clamp(min=0).expand(hq, n)) & (
                                     tok_page >= 0
                                 )

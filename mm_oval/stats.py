@@ -38,7 +38,7 @@ steps, layers, the batch and heads (absent without the knob or before any select
 - `hit_rate`: selected pages that are among the true top-k candidate pages, over the pages selected (k =
   the pages selected for that KV head and step; a page's true mass is its share of exact attention, the
   query heads' page distributions averaged over the KV head's group);
-- `attention_mass_recall`: `page_measures.attention_mass_captured` of the tokens read (selected and
+- `attention_mass_recall`: `measures.attention_mass_captured` of the tokens read (selected and
   always-read pages), the mean over (step, layer, sample, query head);
 - `page_utilisation`: the share of the request's (layer, sample, KV head) candidate pages read at least once;
 - `pages_selected` (the denominator of `hit_rate`), `layer_steps` (the selections measured);
@@ -64,6 +64,7 @@ from transformers import PreTrainedModel
 
 from .core import topk_mask
 from .errors import ConfigError
+from .measures import attention_mass_captured, exact_attention, page_mass
 
 CO_READ_WINDOW = 8  # steps of page reads a co-read graph holds (router v2's default gcn_window)
 ALLOCATED_KINDS = ("kv", "summaries", "metadata", "method_state")
@@ -290,16 +291,12 @@ class RetrievalMonitor:
         """One layer's decode step. query (B, Hq, D) the newest token's; keys (B, Hkv, L, D) the resident
         slots, slot_valid (B, Hkv, L), slot_page (B, Hkv, L) their pages; candidates / chosen (B, Hkv, Pc)
         bool the candidate pages and those the policy selected; read (B, Hkv, P) bool every page read."""
-        from .policies.page_measures import attention_mass_captured  # the policies import this module
-
         attn = exact_attention(query, keys, slot_valid, scaling)  # (B, Hq, L)
-        B, Hkv, L = slot_valid.shape
+        Hkv = slot_valid.shape[1]
         Pc = candidates.shape[-1]
         # each candidate page's exact attention mass, its query heads' page distributions averaged (the
         # kernels' GQA combination): the true top-k pages per KV head, k = the pages the policy selected
-        page = slot_page.clamp(min=0).repeat_interleave(attn.shape[1] // Hkv, dim=1)
-        mass = attn.new_zeros(B, attn.shape[1], read.shape[-1]).scatter_add_(-1, page, attn)
-        mass = mass.view(B, Hkv, -1, mass.shape[-1]).mean(2)[..., :Pc]
+        mass = page_mass(attn, slot_page, read.shape[-1], kv_heads=Hkv)[..., :Pc]
         k = chosen.sum(-1)
         top = topk_mask(mass, candidates, k)
         slots = slot_valid & read.gather(-1, slot_page.clamp(min=0))
@@ -359,17 +356,6 @@ class RetrievalMonitor:
             "step_select_ms_p50": q(list(per_step.values()), 0.5),
             "step_select_ms_p99": q(list(per_step.values()), 0.99),
         }
-
-
-def exact_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Exact attention probabilities of one query per query head over the slots: query (B, Hq, D), keys
-    (B, Hkv, L, D) (the Hq / Hkv query heads of a KV head share its keys), valid (B, Hkv, L) -> (B, Hq, L)."""
-    B, Hq, D = query.shape
-    Hkv = keys.shape[1]
-    q = query.float().view(B, Hkv, Hq // Hkv, D)
-    logits = torch.einsum("bhgd,bhld->bhgl", q, keys.float()) * scaling
-    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    return torch.softmax(logits, -1).nan_to_num(0.0).reshape(B, Hq, -1)
 
 
 def get_stats(model: Any) -> dict[str, Any]:

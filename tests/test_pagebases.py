@@ -11,7 +11,7 @@ from mm_oval.kernels.lowrank_score.naive import page_raw_lowrank_naive
 from mm_oval.kernels.quest_score.naive import page_raw_quest_naive
 
 from mm_oval.errors import ConfigError
-from mm_oval.policies.page_measures import attention_mass_captured, exact_page_log_mass, read_tokens
+from mm_oval.measures import attention_mass_captured, exact_page_log_mass, read_tokens
 from mm_oval.policies.page_summaries import PageBasisSummary, key_bounds, output_metric, page_bases
 
 B, HKV, HQ, P, T, D = 2, 2, 4, 5, 16, 32

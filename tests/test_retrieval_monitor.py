@@ -7,9 +7,9 @@ import torch
 import mm_oval
 from mm_oval.config import OvalConfig
 from mm_oval.errors import ConfigError
+from mm_oval.measures import exact_attention, exact_page_log_mass
 from mm_oval.policies.base import IMAGE, DecodeContext, PageBatch, RetrievalPolicy, make_retrieval, topk_mask
-from mm_oval.policies.page_measures import exact_page_log_mass
-from mm_oval.stats import RetrievalMonitor, exact_attention, get_stats, to_prometheus
+from mm_oval.stats import RetrievalMonitor, get_stats, to_prometheus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

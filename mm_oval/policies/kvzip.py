@@ -46,18 +46,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, AutoTokenizer, DynamicCache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import AutoTokenizer, DynamicCache
 
 from ..errors import ConfigError, ModelError
 from ..geometry import FIXED, TEXT_ONLY, family_of, language_model
+from ..measures import LayerQK, capture_qk
 from .base import EvictionPolicy, PrefillContext, register_eviction
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 PREV_POSTFIX = 8  # tokens of the previous chunk quoted in a later chunk's repeat prompt (kvpress)
-CAPTURE_ATTN = "mm_oval_kvzip_sdpa"
 
 
 @dataclass
@@ -107,12 +105,12 @@ def reconstruction_scores(
     return out
 
 
-# ---- the capture attention (a temporary attention implementation for the pre-pass) ----------------------
+# ---- the scores of one reconstruction chunk, from each layer's queries and keys (the Q/K capture's) ------
 
 
 @dataclass
 class _Chunk:
-    """What the capture attention needs while one chunk's repeat sequence runs."""
+    """What the scoring needs while one chunk's repeat sequence runs."""
 
     n_ctx: int
     key_ok: torch.Tensor  # (B, n_ctx + R) bool
@@ -125,25 +123,17 @@ class _Chunk:
 _ACTIVE: contextvars.ContextVar[_Chunk | None] = contextvars.ContextVar("mm_oval_kvzip", default=None)
 
 
-def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+def _score_layer(qk: LayerQK) -> None:
+    """`capture_qk`'s `on_layer` for the pre-pass: while a chunk's repeat sequence runs, score the context's
+    keys of this layer from the repeat sequence's queries (the context's own forward scores nothing)."""
     chunk = _ACTIVE.get()
-    if chunk is not None and query.shape[2] == chunk.row_ok.shape[1]:
-        layer = int(module.layer_idx)
+    if chunk is not None and qk.query.shape[2] == chunk.row_ok.shape[1]:
+        layer = int(qk.module.layer_idx)
         s = reconstruction_scores(
-            query, key, chunk.key_ok, chunk.row_ok, chunk.n_ctx, scaling, chunk.rows_per_block
+            qk.query, qk.key, chunk.key_ok, chunk.row_ok, chunk.n_ctx, qk.scaling, chunk.rows_per_block
         )
         prev = chunk.scores[layer]
         chunk.scores[layer] = torch.where(chunk.target.unsqueeze(1), s, prev)
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def _register_capture() -> None:
-    if CAPTURE_ATTN not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(CAPTURE_ATTN, _capture_attention)
-    if CAPTURE_ATTN not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(CAPTURE_ATTN, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 class _Embeds(Exception):
@@ -278,12 +268,8 @@ class KVzip(EvictionPolicy):
         n_chunks = int(-(-int(n_valid.max()) // C))
         scores = [torch.zeros(B, lm.config.num_key_value_heads, N, device=device) for _ in lm.layers]
 
-        _register_capture()
-        cfg = lm.config
-        old = cfg._attn_implementation
-        cfg._attn_implementation = CAPTURE_ATTN
-        try:
-            cache = DynamicCache(config=cfg)
+        with capture_qk(lm, on_layer=_score_layer):
+            cache = DynamicCache(config=lm.config)
             lm(
                 inputs_embeds=embeds,
                 attention_mask=mask.long(),
@@ -319,8 +305,6 @@ class KVzip(EvictionPolicy):
                     _ACTIVE.reset(token)
                 cache.crop(-R)  # back to the context alone
             del cache
-        finally:
-            cfg._attn_implementation = old
         sink = (mask & (rank < self.n_sink)).unsqueeze(1)
         scores = [s.masked_fill(sink, 1.0).masked_fill(~mask.unsqueeze(1), 0.0) for s in scores]
         return KVzipRequest(scores=scores, chunks=n_chunks)

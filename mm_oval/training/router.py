@@ -32,6 +32,7 @@ from ..cache import request_info
 from ..config import DEFAULT_IMAGE_TILE
 from ..errors import ConfigError, DataError, ModelError
 from ..geometry import GEOMETRY_INPUTS, image_geometry
+from ..measures import capture_qk, group_mean, page_mass
 from ..pages import layout_pages
 from ..policies.base import IMAGE, PAD
 from ..policies.router import HybridRouter, RouterConfig, model_signature, pool_page_content
@@ -143,8 +144,7 @@ def capture_router_data(
     lm = _lm(model)
     cfg = model.config
     text = cfg.text_config
-    hq, hkv = text.num_attention_heads, text.num_key_value_heads
-    group = hq // hkv
+    hkv = text.num_key_value_heads
     box: dict[str, list] = {"hidden": [], "embeds": []}
 
     def norm_hook(module, args, output):
@@ -214,9 +214,7 @@ def capture_router_data(
             if not lasts:
                 continue
             a = torch.stack(masses).float()  # (S, L, Hq, n)
-            a = a.view(a.shape[0], a.shape[1], hkv, group, n).mean(3)  # group mean
-            mass = torch.zeros(*a.shape[:3], p, device=a.device)
-            mass.scatter_add_(-1, tok_page.clamp(min=0).expand_as(a), a * (tok_page >= 0).float())
+            mass = page_mass(group_mean(a, hkv), tok_page, p)  # (S, L, Hkv, P)
             tiles = _page_tiles(prompt.image, processor, lay, info, p, tok_page, ids) if keep_tiles else None
             out.append(
                 RouterSample(
@@ -573,27 +571,6 @@ class Router2Sample:
     base_prev: torch.Tensor  # (S, L, Hkv, P): the same from the previous position's query (predict-ahead)
 
 
-class _QKVCapture:
-    """An attention function that records every layer's queries and keys, then runs SDPA."""
-
-    NAME = "mm_oval_router2_capture"
-
-    def __init__(self) -> None:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, Any]] = {}
-
-        def fn(module, query, key, value, attention_mask, scaling=None, **kw):
-            s = scaling if scaling is not None else query.shape[-1] ** -0.5
-            self.layers[int(module.layer_idx)] = (query.detach(), key.detach(), value.detach(), s, module)
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
-
-        AttentionInterface.register(self.NAME, fn)
-        AttentionMaskInterface.register(self.NAME, sdpa_mask)
-
-
 @torch.no_grad()
 def capture_router2_data(
     model: Any,
@@ -618,9 +595,8 @@ def capture_router2_data(
 
     lm = _lm(model)
     text = model.config.text_config
-    hq, hkv = text.num_attention_heads, text.num_key_value_heads
-    group = hq // hkv
-    cap = _QKVCapture()
+    hkv = text.num_key_value_heads
+    group = text.num_attention_heads // hkv
     box: dict[str, Any] = {}
     hooks = hidden_and_embeds_hooks(lm, box)
     out: list[Router2Sample] = []
@@ -634,9 +610,9 @@ def capture_router2_data(
             model.set_attn_implementation("sdpa")
             seq = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
             geo = image_geometry(model, ids, None, **{k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS})
-            lm.set_attn_implementation(_QKVCapture.NAME)
             extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-            model(input_ids=seq, attention_mask=torch.ones_like(seq), **extra)
+            with capture_qk(lm) as cap:
+                model(input_ids=seq, attention_mask=torch.ones_like(seq), **extra)
             info = request_info(ids, None, None, 0, sink_tokens, recent_tokens, geometry=geo)
             keep = (info.modality != PAD).unsqueeze(1).expand(1, hkv, n)
             lay = layout_pages(
@@ -666,7 +642,8 @@ def capture_router2_data(
             base_now = torch.zeros_like(mass)
             base_prev = torch.zeros_like(mass)
             mask = tok_idx >= 0
-            for layer, (q, k, v, scale, module) in sorted(cap.layers.items()):
+            for layer, qk in sorted(cap.layers.items()):
+                q, k, v, scale, module = qk.query, qk.key, qk.value, qk.scaling, qk.module
                 d = k.shape[-1]
                 gather = tok_idx.clamp(min=0).flatten(2).unsqueeze(-1).expand(-1, -1, -1, d)
                 gk = k[:, :, :n].gather(2, gather).view(1, hkv, p, t, d) * mask.unsqueeze(-1)
@@ -679,9 +656,8 @@ def capture_router2_data(
                 kk = k[0].repeat_interleave(group, dim=0).float()  # (Hq, total, D)
                 for r, i in enumerate(rows):
                     att = torch.softmax(torch.einsum("hd,htd->ht", q[0, :, i].float(), kk[:, : i + 1]) * scale, -1)
-                    att = F.pad(att[:, :n], (0, max(0, n - i - 1))) * (tok_page >= 0)
-                    pm = torch.zeros(hq, p, device=att.device).index_add_(1, tok_page.clamp(min=0), att)
-                    mass[r, layer] = pm.view(hkv, group, p).mean(1).cpu()
+                    att = F.pad(att[:, :n], (0, max(0, n - i - 1)))
+                    mass[r, layer] = page_mass(att, tok_page, p, kv_heads=hkv).cpu()
                     for target, row in ((base_now, i), (base_prev, i - 1)):
                         ctx = DecodeContext(
                             layer, q[:, :, row : row + 1], summaries, lay.page_start[..., :p], page_len, kind,

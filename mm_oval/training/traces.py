@@ -1,8 +1,8 @@
 """Capture KVP training traces from a LLaVA-style model.
 
-For each sample (image + question, with its answer) the model runs once over prompt + answer. An
-attention function registered with transformers (SDPA underneath, so outputs are unchanged) sees every
-layer's queries, keys and values after RoPE and records, for the prompt's n tokens:
+For each sample (image + question, with its answer) the model runs once over prompt + answer. The Q/K
+capture (`mm_oval.measures.capture_qk`: SDPA underneath, so outputs are unchanged) hands over every layer's
+queries, keys and values after RoPE, and the trace records, for the prompt's n tokens:
 
 - keys and values as they would be cached (L, Hkv, n, D), the prompt's queries (L, Hq, n, D) for the
   attention-based baselines (optional), positions, modality (text / image) and (image, row, col);
@@ -32,13 +32,11 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import ConfigError, DataError, ModelError, ResultsError
 from ..files import atomic_write_bytes, atomic_write_text
 from ..geometry import GEOMETRY_INPUTS, image_geometry
+from ..measures import capture_qk
 from ..policies.base import IMAGE, TEXT
 from ..policies.signature import model_signature
 from ..prompts import COMPRESS_AT
@@ -49,7 +47,6 @@ from ..zoo.vocab import COLORS, SHAPES
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-CAPTURE_ATTN = "mm_oval_kvp_capture"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -220,7 +217,7 @@ def load_samples(spec: str, limit: int | None = None, seed: int = 0, followups: 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the capture attention function
+# the recorder of one sample (fed each layer by the Q/K capture)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -258,27 +255,6 @@ class _Recorder:
         self.layers[int(module.layer_idx)] = rec
 
 
-_ACTIVE: _Recorder | None = None
-_REGISTERED = False
-
-
-def _register_capture_attention() -> None:
-    global _REGISTERED
-    if _REGISTERED:
-        return
-
-    def capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if _ACTIVE is not None and getattr(module, "layer_idx", None) is not None:
-            _ACTIVE.record(
-                module, query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5
-            )
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-    AttentionInterface.register(CAPTURE_ATTN, capture_attention)
-    AttentionMaskInterface.register(CAPTURE_ATTN, sdpa_mask)
-    _REGISTERED = True
-
-
 def _conversation(sample: TraceSample, answer: str | None) -> list[dict]:
     content = [{"type": "image"} for _ in sample.images] + [{"type": "text", "text": sample.question}]
     msgs = [{"role": "user", "content": content}]
@@ -311,8 +287,6 @@ def capture_sample(
     the question then belongs to the future, whose attention is the utility."""
     if compress not in COMPRESS_AT:
         raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {compress!r}")
-    global _ACTIVE
-    _register_capture_attention()
     device = next(model.parameters()).device
     prompt = processor.apply_chat_template(_conversation(sample, None), add_generation_prompt=True)
     inputs = {k: v.to(device) for k, v in _tokenise(processor, sample, prompt).items()}
@@ -349,16 +323,9 @@ def capture_sample(
         full["attention_mask"] = torch.ones_like(full_ids)
     if "mm_token_type_ids" in full:  # Qwen2-VL: one per token, cut with the ids
         full["mm_token_type_ids"] = full["mm_token_type_ids"][:, : full_ids.shape[1]]
-    tc = model.config.text_config if hasattr(model.config, "text_config") else model.config
-    old = tc._attn_implementation
     rec = _Recorder(prompt_len=n, store_queries=store_queries)
-    _ACTIVE = rec
-    tc._attn_implementation = CAPTURE_ATTN
-    try:
+    with capture_qk(model, on_layer=lambda qk: rec.record(qk.module, qk.query, qk.key, qk.value, qk.scaling)):
         model(**full, use_cache=False)
-    finally:
-        tc._attn_implementation = old
-        _ACTIVE = None
     L = len(rec.layers)
     if L == 0 or sorted(rec.layers) != list(range(L)):
         raise ModelError(
