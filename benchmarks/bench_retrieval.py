@@ -5,7 +5,8 @@ hold, at read budgets of 10/25/50% of the image pages, and what scoring costs ne
     python benchmarks/bench_retrieval.py --model DIR --router DIR --prompts 64 --out bench_retrieval.json
 
 Quality. Prompts come from the bundled generator with a seed no training used. The plain model answers
-greedily; one teacher-forced forward over prompt + answer captures every layer's queries, keys and values.
+greedily; one teacher-forced forward over prompt + answer captures every layer's queries, keys and values
+(`mm_oval.measures.capture_qk`); a page's exact mass is `mm_oval.measures.page_mass`.
 Routed queries are the last prompt positions and every answer position. Pages are the cache's own layout
 (nothing evicted): 2x2 patch tiles for the image, 16-token text pages. Each method summarises the pages
 through its real policy class (`summarize`, `score_pages`); candidates are the image pages not pinned by

@@ -33,7 +33,9 @@ NEG_INF = float("-inf")
 # ---- exact attention and the page attention mass ----------------------------------------------------------
 
 
-def exact_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+def exact_attention(
+    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """Exact attention probabilities of one query per query head over the slots: query (B, Hq, D), keys
     (B, Hkv, L, D) (the Hq / Hkv query heads of a KV head share its keys), valid (B, Hkv, L) -> (B, Hq, L)
     fp32 (0 on invalid slots; a head with no valid slot is all 0)."""
