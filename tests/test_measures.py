@@ -95,3 +95,20 @@ def test_capture_hands_calls_to_on_layer_and_nested_captures_restore_the_outer(t
     assert seen == list(range(layers))
     assert sorted(outer.layers) == list(range(layers))
     assert model.model.language_model.config._attn_implementation == "sdpa"
+
+
+@torch.no_grad()
+def test_capture_works_on_a_plain_decoder_only_lm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (1, 9))
+    plain = model(input_ids=ids).logits
+    with capture_qk(model) as cap:
+        captured = model(input_ids=ids).logits
+    torch.testing.assert_close(captured, plain)
+    assert sorted(cap.layers) == [0, 1] and cap.layers[1].key.shape == (1, 2, 9, 8)
+    assert model.config._attn_implementation == "sdpa"
