@@ -657,6 +657,7 @@ class PagedLayer(CacheLayerMixin):
             scaling=scaling,
             module=self.module,
             step=owner.step,
+            request=owner.request,
         )
         summary = torch.where(cand, owner.retrieval.summary_bytes(self.summaries, plen), 0)  # scanned
         B, H, P = self.page_len.shape

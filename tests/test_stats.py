@@ -166,5 +166,7 @@ def test_kvp_reports_its_agents_and_their_cached_position_table(model_and_proces
     cache, _, s = _run(model, processor, method="kvp", budget=0.25, method_options={"agents": agents})
     weights = sum(p.numel() * p.element_size() for p in agents.parameters())
     table = agents._pos_terms[1]  # LN_p(pos_emb) @ w1_p for every (agent, position), built on first use
-    partition = sum(x.numel() * x.element_size() for x in cache.request.kvp_log_partition.values())
+    partition = sum(
+        x.numel() * x.element_size() for x in cache.request.state_of(cache.eviction).log_partition.values()
+    )
     assert s["allocated_bytes"]["method_state"] == weights + table.numel() * table.element_size() + partition
