@@ -595,7 +595,8 @@ def test_bytes_read_counted_per_page_equal_those_counted_per_slot(model_and_proc
         assert not bool(layer.slot_valid.all())  # padding / eviction left empty slots
         for _ in range(3):
             pages = torch.rand(layer.page_len.shape, generator=g) < 0.5
-            by_slot = layer.telemetry.by_modality(layer.store, layer.slot_valid & pages.gather(-1, layer.slot_page.clamp(min=0)))
+            read = layer.slot_valid & pages.gather(-1, layer.slot_page.clamp(min=0))
+            by_slot = layer.telemetry.by_modality(layer.store, read)
             assert torch.equal(layer.telemetry.pages_by_modality(layer.store, pages), by_slot)
 
 

@@ -27,22 +27,19 @@ kept, bytes read, the retrieval monitor's records) is kept beside the storage (`
 The package, by job: `multimodal.py` the cache of a request, `layer.py` one layer (the hand-off above),
 `request.py` the prompt's token facts and the budget's choice, `prefill.py` the end of a layer's prefill,
 `storage.py` slots and page table, `summaries.py` the retrieval policy's page summaries, `decode.py` a
-decode step's reads and its backends, `telemetry.py` the counts.
+decode step's reads and its backends, `telemetry.py` the counts. Their tunables (`decode.GATHER_SHARE`,
+`summaries.SUMMARY_TEMP_SHARE`, `storage.DECODE_ROOM`) live, and are patched, in their own modules.
 """
 
-from .decode import GATHER_CHUNK_BYTES, GATHER_SHARE, GatheredDecode, KernelDecode, MaskedDecode
+from .decode import GatheredDecode, KernelDecode, MaskedDecode
 from .layer import PagedLayer, take_pending
 from .multimodal import PagedMultimodalCache
 from .request import RequestInfo, choose_kept, request_info
 from .storage import PageStore
-from .summaries import SUMMARY_TEMP_SHARE
 from .telemetry import READ_KINDS, ReadTelemetry, kv_bytes_per_token, page_kv_bytes, pages_within_bytes
 
 __all__ = [
-    "GATHER_CHUNK_BYTES",
-    "GATHER_SHARE",
     "READ_KINDS",
-    "SUMMARY_TEMP_SHARE",
     "GatheredDecode",
     "KernelDecode",
     "MaskedDecode",

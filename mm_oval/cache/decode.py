@@ -83,7 +83,9 @@ def decode_context(layer: Any, query: torch.Tensor, scaling: float) -> DecodeCon
     )
 
 
-def bytes_budget(layer: Any, cand: torch.Tensor, always: torch.Tensor, summary: torch.Tensor, fraction: float) -> BytesBudget:
+def bytes_budget(
+    layer: Any, cand: torch.Tensor, always: torch.Tensor, summary: torch.Tensor, fraction: float
+) -> BytesBudget:
     """Per KV head, the bytes left for the pages the policy selects: `fraction` of the dense bytes
     (every resident slot) less the summaries scanned (`summary`, (B, Hkv)) and the always-read pages'
     KV (`always`, (B, Hkv, P) bool), with each candidate page's KV bytes. A head whose summaries and
@@ -122,7 +124,9 @@ class MaskedDecode:
 
     name = "masked"
 
-    def attend(self, layer: Any, query: torch.Tensor, pages: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def attend(
+        self, layer: Any, query: torch.Tensor, pages: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
         """Exact attention of `query` (B, Hq, Q, D) over the slots of `pages` (B, Hkv, P) bool (None: every
         page) -> (B, Q, Hq, D)."""
         store = layer.store
@@ -131,7 +135,11 @@ class MaskedDecode:
         G = Hq // H
         qg = query.reshape(B, H, G * q, D)  # GQA without repeating keys: a KV head's G query heads as rows
         mask = slot_mask(store, pages, q)  # (B, H, q, L) or None
-        mg = None if mask is None else mask.unsqueeze(2).expand(B, H, G, q, mask.shape[-1]).reshape(B, H, G * q, -1)
+        mg = (
+            None
+            if mask is None
+            else mask.unsqueeze(2).expand(B, H, G, q, mask.shape[-1]).reshape(B, H, G * q, -1)
+        )
         out = F.scaled_dot_product_attention(qg, store.keys, store.values, attn_mask=mg, scale=scaling)
         return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
 
@@ -142,7 +150,9 @@ class KernelDecode(MaskedDecode):
 
     name = "kernel"
 
-    def attend(self, layer: Any, query: torch.Tensor, pages: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def attend(
+        self, layer: Any, query: torch.Tensor, pages: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
         if query.shape[2] != 1:
             return super().attend(layer, query, pages, scaling)
         store = layer.store
@@ -169,7 +179,9 @@ class GatheredDecode(MaskedDecode):
 
     name = "gathered"
 
-    def attend(self, layer: Any, query: torch.Tensor, pages: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def attend(
+        self, layer: Any, query: torch.Tensor, pages: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
         B, Hq, q, D = query.shape
         store = layer.store
         if q == 1 and pages is not None:

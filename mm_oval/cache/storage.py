@@ -50,7 +50,9 @@ class PageStore:
     ppinned: Any = None
 
     @classmethod
-    def compact(cls, keys: torch.Tensor, values: torch.Tensor, lay: Any, info: Any, text_page_size: int) -> PageStore:
+    def compact(
+        cls, keys: torch.Tensor, values: torch.Tensor, lay: Any, info: Any, text_page_size: int
+    ) -> PageStore:
         """The storage of the prompt's kept tokens laid out by `lay` (a `pages.layout_pages` answer): each
         KV head's kept keys and values copied to its slots, with their per-slot facts from `info`."""
         B, H, N, D = keys.shape
@@ -71,7 +73,9 @@ class PageStore:
         )
         L0, P0 = store.prompt_slots, store.prompt_pages
         store.alloc(L0 + decode_room(text_page_size), keys.dtype, keys.device, B, H, D)
-        store.k[:, :, :L0], store.v[:, :, :L0] = kernels.compact_kv(keys, values, torch.where(ok, lay.src, -1))
+        store.k[:, :, :L0], store.v[:, :, :L0] = kernels.compact_kv(
+            keys, values, torch.where(ok, lay.src, -1)
+        )
         store.valid[..., :L0] = ok
         store.page[..., :L0] = lay.slot_page
         store.pstart[..., :P0], store.plen[..., :P0] = lay.page_start, lay.page_len

@@ -62,7 +62,9 @@ def summarize(layer: Any, first: int, stop: int) -> None:
 
 def _page_batch(layer: Any, a: int, b: int, T: int, slot_src: torch.Tensor) -> PageBatch:
     """Pages [a, b) of `layer`, padded to T tokens, as the retrieval policy's `summarize` takes them."""
-    k, v, mask, src = gather_pages(layer.keys, layer.values, layer.page_start, layer.page_len, slice(a, b), slot_src)
+    k, v, mask, src = gather_pages(
+        layer.keys, layer.values, layer.page_start, layer.page_len, slice(a, b), slot_src
+    )
     if k.shape[-2] < T:  # the padding gather_pages gives the pages of the whole range
         pad = T - k.shape[-2]
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))

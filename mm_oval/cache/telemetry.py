@@ -110,7 +110,9 @@ class ReadTelemetry:
         else:
             read_always = self.pages_by_modality(store, always)
             selected = self.pages_by_modality(store, chosen)
-        self.read_t += torch.stack([summary, selected * per_token, read_always * per_token, dense * per_token])
+        self.read_t += torch.stack(
+            [summary, selected * per_token, read_always * per_token, dense * per_token]
+        )
 
     def layer_stats(self, store: Any, layer_idx: int) -> dict[str, Any]:
         """Tokens and bytes kept for the prompt, by modality: tokens summed over the batch and averaged over
