@@ -5,13 +5,14 @@ It sits below both: it imports neither.
 
 State a policy reads or writes lives in two objects owned by the cache, never in string-keyed dicts:
 - `RequestState` (`cache.request`): one per request, shared by the layers' prefill and by every decode
-  step: the prompt's `inputs_embeds`, what the eviction policy's `prepare_request` returned, the state a
-  policy passes from one layer to the next (FastV's ranking, KVP's per-layer log-partition), the cache's
-  own layout when nothing is evicted, and when the request's clock started;
+  step: the prompt's `inputs_embeds`, what the eviction policy's `prepare_request` returned, the cache's
+  own layout when nothing is evicted, when the request's clock started, and each policy's own memory of
+  the request (`state_of(policy)`: a fresh instance of the policy's `State` class);
 - `StepState` (`cache.step`): one forward through the wrapped model (the prefill, or one decode step):
   its phase, when its clock started, which of the tokens fed are padding, each layer's attention input
-  when the eviction policy reads hidden states, and the previous token's final hidden state (with the
-  router's text state computed from it).
+  when the eviction policy reads hidden states, the previous token's final hidden state, and each
+  policy's memory of this forward (`state_of(policy)`: a fresh instance of its `StepScratch` class).
+Neither names a method: a method that keeps memory declares its own state class.
 The wrapper fills only what the configured policies declare they need (`EvictionPolicy.needs_queries`,
 `needs_hidden_states`; `RetrievalPolicy.needs_inputs_embeds`, `needs_last_hidden`).
 """
@@ -42,16 +43,19 @@ class RequestState:
     inputs_embeds: torch.Tensor | None = None
     # what the eviction policy's `prepare_request` returned (KVzip's reconstruction scores), or None
     prepared: Any = None
-    # (B, N) FastV's ranking of the image tokens, computed at its layer and read by the later ones
-    fastv_rank: torch.Tensor | None = None
-    # layer -> (B, Hkv, 1): KVP's per-head log-partition of the prefill scores (decode scores on that scale)
-    kvp_log_partition: dict[int, torch.Tensor] = field(default_factory=dict)
     # the cache's page layout when nothing is evicted (every layer the same, built once per request)
     full_layout: Any = None
     # `time.perf_counter()` when the request started (before the vision tower and the policy's own pass)
     started: float | None = None
     # True while the wrapped model's `generate` runs the request: it computes the stats once, at its end
     run_by_generate: bool = False
+    # id(policy) -> the policy's `State` for this request (what it carries from layer to layer and step to
+    # step, e.g. FastV's ranking, KVP's log-partition); made on first use, copied with the request
+    policy_states: dict[int, Any] = field(default_factory=dict)
+
+    def state_of(self, policy: Any) -> Any:
+        """This request's instance of `policy.State` (a fresh one on the policy's first use in the request)."""
+        return _state_of(self.policy_states, policy, "State")
 
 
 @dataclass
@@ -72,14 +76,33 @@ class StepState:
     # (B, hidden): the final hidden state (after the last norm) of the previous forward's last token, whose
     # logits chose the token fed now; kept when the retrieval policy sets `needs_last_hidden`
     last_hidden: torch.Tensor | None = None
-    # the router's text state of `last_hidden` (computed by the first layer of a step, reused by the others)
-    router_text_state: Any = None
+    # id(policy) -> the policy's `StepScratch` for this forward (what its layers share, e.g. a router's text
+    # state of `last_hidden`); made on first use, dropped when the next forward begins
+    policy_states: dict[int, Any] = field(default_factory=dict)
 
     def begin(self, phase: Phase, started: float, new_valid: torch.Tensor | None = None) -> None:
         """A new forward: its phase, clock and padding; `last_hidden` (the previous forward's) stays."""
         self.phase, self.started, self.new_valid = phase, started, new_valid
         self.attention_inputs = {}
-        self.router_text_state = None
+        self.policy_states = {}
+
+    def state_of(self, policy: Any) -> Any:
+        """This forward's instance of `policy.StepScratch` (a fresh one on its first use in the forward)."""
+        return _state_of(self.policy_states, policy, "StepScratch")
+
+
+def _state_of(states: dict[int, Any], policy: Any, kind: str) -> Any:
+    """The instance of `policy`'s state class `kind` in `states`, made on first use. Keyed by the policy's
+    identity: a cache's `copy()` shares its policies, so the copy's states stay theirs."""
+    state = states.get(id(policy))
+    if state is None:
+        cls = getattr(policy, kind, None)
+        if cls is None:
+            raise TypeError(
+                f"{type(policy).__name__} declares no {kind} class (set `{kind} = <a dataclass>`)"
+            )
+        state = states[id(policy)] = cls()
+    return state
 
 
 @dataclass(frozen=True)
@@ -198,6 +221,8 @@ class DecodeContext:
     module: Any = None
     step: StepState = field(default_factory=StepState)  # this step's state: `last_hidden`
     # (B, hidden) of the previous token when the retrieval policy sets `needs_last_hidden`
+    request: RequestState = field(default_factory=RequestState)  # the request's state (a policy's own
+    # memory of earlier steps: `request.state_of(policy)`)
 
     @property
     def num_kv_groups(self) -> int:

@@ -218,7 +218,8 @@ def cache_stats(cache: Any) -> dict[str, Any]:
 
 def bytes_read(cache: Any) -> dict[str, Any]:
     """The bytes the decode steps read, summed over layers (see the module docstring, `bytes_read`)."""
-    rows = [t for t in (getattr(layer, "_read_t", None) for layer in cache.layers) if t is not None]
+    counts = [getattr(layer, "telemetry", None) for layer in cache.layers]  # cache.telemetry.ReadTelemetry
+    rows = [c.read_t for c in counts if c is not None]
     kinds = ("summaries", "selected", "always_read", "dense")
     t = torch.stack(rows).sum(0).tolist() if rows else [[0, 0] for _ in kinds]
     steps = int(cache.timings["decode_steps"])

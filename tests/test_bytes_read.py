@@ -274,13 +274,13 @@ def test_dense_counts_the_resident_slots_when_a_later_turns_tokens_hold_padding(
                                                             dtype=torch.long), tail_mask], 1)  # fmt: skip
     steps = []
     for layer in cache.layers:
-        count = layer._count_read
+        count = layer.telemetry.count_read
 
-        def counted(always, chosen, summary, layer=layer, count=count):
+        def counted(store, always, chosen, summary, layer=layer, count=count):
             steps.append(int(layer.slot_valid.sum()))  # the slot table's resident slots at this step
-            count(always, chosen, summary)
+            count(store, always, chosen, summary)
 
-        layer._count_read = counted
+        layer.telemetry.count_read = counted
     before = get_stats(model)["bytes_read"]["total"]["dense"]
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
                    cache=cache)  # fmt: skip

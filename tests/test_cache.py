@@ -437,7 +437,7 @@ def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model
     """Off the kernel path, a decode step that reads a small share of the cache attends over the slots it
     reads gathered (what makes it cheaper than dense on CPU), and gets what SDPA over every slot with the
     per-head mask gets; a step that reads most of the cache (here: all of it) keeps the masked SDPA."""
-    import mm_oval.cache as cache_mod
+    import mm_oval.cache.decode as cache_mod
 
     model, processor = model_and_processor
     inputs = _inputs(processor)
@@ -446,14 +446,14 @@ def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model
     cache = prefill(model, **inputs)
     cache.kernels = False
     gathered = []
-    real = cache_mod.PagedLayer._attend_gathered
+    real = cache_mod.GatheredDecode.gathered
     monkeypatch.setattr(
-        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[2] * a[3]) or real(self, *a)
+        cache_mod.GatheredDecode, "gathered", lambda self, *a: gathered.append(a[3] * a[4]) or real(self, *a)
     )
     for layer in cache.layers:
         B, H, _, D = layer.keys.shape
-        layer._k, layer._v = layer._k.to(dtype), layer._v.to(dtype)
-        layer._set_views()
+        layer.store.k, layer.store.v = layer.store.k.to(dtype), layer.store.v.to(dtype)
+        layer.store.set_views()
         for _ in range(5):
             layer.update(torch.randn(B, H, 1, D, dtype=dtype), torch.randn(B, H, 1, D, dtype=dtype))
         q = torch.randn(B, 2 * H, 1, D, dtype=dtype)
@@ -471,7 +471,7 @@ def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model
     cache = prefill(model, **inputs)
     cache.kernels = False
     monkeypatch.setattr(
-        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[2] * a[3]) or real(self, *a)
+        cache_mod.GatheredDecode, "gathered", lambda self, *a: gathered.append(a[3] * a[4]) or real(self, *a)
     )
     layer = cache.layers[0]
     B, H, _, D = layer.keys.shape
@@ -495,7 +495,7 @@ def test_the_gathered_pages_give_the_masked_attention_whatever_pages_are_read(
     the per-head mask, for any pages read: a different number per KV head and sample (batch 2, padded
     prompts), image and text pages, ragged ones, decode pages after the prompt with a padded decode slot,
     and the last page of the storage read by a block that would run past its end."""
-    import mm_oval.cache as cache_mod
+    import mm_oval.cache.decode as cache_mod
 
     model, processor = model_and_processor
     inputs = _inputs(processor)
@@ -503,25 +503,25 @@ def test_the_gathered_pages_give_the_masked_attention_whatever_pages_are_read(
     cache = prefill(model, **inputs)
     cache.kernels = False
     gathered = []  # the block of each gathered step
-    real = cache_mod.PagedLayer._attend_gathered
+    real = cache_mod.GatheredDecode.gathered
     monkeypatch.setattr(
-        cache_mod.PagedLayer, "_attend_gathered", lambda self, *a: gathered.append(a[3]) or real(self, *a)
+        cache_mod.GatheredDecode, "gathered", lambda self, *a: gathered.append(a[4]) or real(self, *a)
     )
     g = torch.Generator().manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for layer in cache.layers:
         B, H, _, D = layer.keys.shape
-        layer._k, layer._v = layer._k.to(dtype), layer._v.to(dtype)
-        layer._set_views()
-        room = layer._cap - layer.keys.shape[2]
+        layer.store.k, layer.store.v = layer.store.k.to(dtype), layer.store.v.to(dtype)
+        layer.store.set_views()
+        room = layer.store.cap - layer.keys.shape[2]
         for t in range(room):  # decode up to the storage's end; one decode slot of sample 1 is padding
             cache.step.new_valid = torch.tensor([[True], [t != 2]])
             layer.update(torch.randn(B, H, 1, D, dtype=dtype), torch.randn(B, H, 1, D, dtype=dtype))
         cache.step.new_valid = None
-        assert layer.keys.shape[2] == layer._cap and not layer.slot_valid.all()
-        assert torch.equal(layer._head_resident, layer.slot_valid.sum(-1))  # what a bytes budget divides
+        assert layer.keys.shape[2] == layer.store.cap and not layer.slot_valid.all()
+        assert torch.equal(layer.telemetry.head_resident, layer.slot_valid.sum(-1))  # what a bytes budget divides
         last = int((layer.page_len[-1, -1] > 0).nonzero().max())  # the last head's last page: the storage's end
-        assert int(layer.page_start[-1, -1, last] + layer.page_len[-1, -1, last]) == layer._cap
+        assert int(layer.page_start[-1, -1, last] + layer.page_len[-1, -1, last]) == layer.store.cap
         for i in range(4):
             pages = (torch.rand(layer.page_len.shape, generator=g) < torch.rand(B, H, 1, generator=g))
             pages[..., 0] = True  # every head reads a valid slot
@@ -542,7 +542,7 @@ def test_the_gathered_pages_give_the_masked_attention_whatever_pages_are_read(
             assert len(gathered) == 1
             torch.testing.assert_close(got, want, atol=tol, rtol=tol)
         if setup.get("page_sizing") == "dynamic":  # the block of the storage's last page starts before it
-            assert int(layer.page_start[-1, -1, last]) + gathered[0] > layer._cap
+            assert int(layer.page_start[-1, -1, last]) + gathered[0] > layer.store.cap
 
 
 def test_storage_grows_in_place_during_long_decodes(model_and_processor):
@@ -558,7 +558,7 @@ def test_storage_grows_in_place_during_long_decodes(model_and_processor):
     pages_before = layer.slot_page.clone()
     for t in range(150):
         layer.update(new_k[:, :, t : t + 1], new_v[:, :, t : t + 1])
-    assert layer.keys.shape[2] == L0 + 150 and layer._cap >= L0 + 150
+    assert layer.keys.shape[2] == L0 + 150 and layer.store.cap >= L0 + 150
     # the prompt slots keep their pages (what retrieval's read mask and the bytes read go by)
     assert torch.equal(layer.slot_page[..., :L0], pages_before[..., :L0])
     torch.testing.assert_close(layer.keys[:, :, :L0], before)
@@ -595,8 +595,9 @@ def test_bytes_read_counted_per_page_equal_those_counted_per_slot(model_and_proc
         assert not bool(layer.slot_valid.all())  # padding / eviction left empty slots
         for _ in range(3):
             pages = torch.rand(layer.page_len.shape, generator=g) < 0.5
-            by_slot = layer._by_modality(layer.slot_valid & pages.gather(-1, layer.slot_page.clamp(min=0)))
-            assert torch.equal(layer._pages_by_modality(pages), by_slot)
+            read = layer.slot_valid & pages.gather(-1, layer.slot_page.clamp(min=0))
+            by_slot = layer.telemetry.by_modality(layer.store, read)
+            assert torch.equal(layer.telemetry.pages_by_modality(layer.store, pages), by_slot)
 
 
 def test_a_copy_of_a_cache_does_not_copy_the_decode_scratch_buffer(model_and_processor):

@@ -185,7 +185,7 @@ def test_the_cache_stops_the_walk_at_the_budget_and_keeps_the_same_tokens(budget
     from PIL import Image
 
     import mm_oval
-    import mm_oval.cache as cache_mod
+    import mm_oval.cache.prefill as prefill_mod
     from mm_oval.allocation import Allocation
     from mm_oval.modelfiles import load_model
     from mm_oval.wrapper import prefill
@@ -198,24 +198,24 @@ def test_the_cache_stops_the_walk_at_the_budget_and_keeps_the_same_tokens(budget
     )
     spec = f"kvp:agents=bundled-image,redundancy=4,sigma=3,budget={budget},sink_tokens=3,recent_tokens=0"
     seen = []
-    real = cache_mod.PagedLayer._image_keep
-    monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", lambda self, p: seen.append(real(self, p)) or seen[-1])
+    real = prefill_mod.image_keep
+    monkeypatch.setattr(prefill_mod, "image_keep", lambda layer, p: seen.append(real(layer, p)) or seen[-1])
     mm_oval.wrap(model, mm_oval.OvalConfig.from_spec(spec))
-    cut = [layer._p_src.clone() for layer in prefill(model, **inputs).layers]
+    cut = [layer.store.p_src.clone() for layer in prefill(model, **inputs).layers]
     assert seen and all(k == -(-64 * budget // 1) for k in seen)  # 64 image tokens, the budget's count
-    monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", lambda self, p: None)
-    whole = [layer._p_src.clone() for layer in prefill(model, **inputs).layers]
+    monkeypatch.setattr(prefill_mod, "image_keep", lambda layer, p: None)
+    whole = [layer.store.p_src.clone() for layer in prefill(model, **inputs).layers]
     assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(cut, whole))
-    monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", real)
+    monkeypatch.setattr(prefill_mod, "image_keep", real)
     mm_oval.unwrap(model)
     shared = spec.replace("agents=bundled-image", "agents=bundled-image-joint") + ",head_budget=shared"
     mm_oval.wrap(model, mm_oval.OvalConfig.from_spec(shared))
     cache = prefill(model, **inputs)
     H = cache.layers[0].keys.shape[1]
     alloc = Allocation.of(cache.eviction, cache.config.head_budget)
-    assert cache.layers[0]._image_keep(alloc) == min(64, H * -(-64 * budget // 1))
-    cut = [layer._p_src.clone() for layer in cache.layers]
-    monkeypatch.setattr(cache_mod.PagedLayer, "_image_keep", lambda self, p: None)
-    whole = [layer._p_src.clone() for layer in prefill(model, **inputs).layers]
+    assert prefill_mod.image_keep(cache.layers[0], alloc) == min(64, H * -(-64 * budget // 1))
+    cut = [layer.store.p_src.clone() for layer in cache.layers]
+    monkeypatch.setattr(prefill_mod, "image_keep", lambda layer, p: None)
+    whole = [layer.store.p_src.clone() for layer in prefill(model, **inputs).layers]
     assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(cut, whole))
     mm_oval.unwrap(model)

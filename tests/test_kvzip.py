@@ -176,7 +176,7 @@ def test_budgets_are_exact_in_the_wrapped_model(tiny_random_llava, inputs, tok, 
                 sink_tokens=0, recent_tokens=0, method_options=opts,
             )  # fmt: skip
             cache = prefill(model, **inputs)
-            kept_by[method] = [layer._p_src.clone() for layer in cache.layers]
+            kept_by[method] = [layer.store.p_src.clone() for layer in cache.layers]
             if method != "kvzip":
                 continue
             assert isinstance(cache.request.prepared, KVzipRequest)

@@ -224,7 +224,7 @@ def test_predict_ahead_hits_every_page_when_the_query_stays_and_uses_the_previou
     assert torch.equal(ahead.score_pages(first), exact.score_pages(first))  # no previous step: its own query
     second = dataclasses.replace(first, query=q2)  # the same request (StepState), the next step
     assert torch.equal(ahead.score_pages(second), exact.score_pages(first))
-    other_request = dataclasses.replace(first, query=q2, step=StepState())
+    other_request = dataclasses.replace(first, query=q2, step=StepState(), request=RequestState())
     assert torch.equal(ahead.score_pages(other_request), exact.score_pages(other_request))
 
 
@@ -251,7 +251,7 @@ def test_layer_ahead_scores_each_layer_with_the_query_of_the_layer_before_in_the
     # the next step starts again at layer 0 with its own query; layer 2 right after it has no layer 1 yet
     assert torch.equal(ahead.score_pages(layer0), exact.score_pages(layer0))
     assert torch.equal(ahead.score_pages(layer2), exact.score_pages(layer2))
-    other_request = dataclasses.replace(layer1, step=StepState())  # another request: nothing kept
+    other_request = dataclasses.replace(layer1, step=StepState(), request=RequestState())  # another request
     assert torch.equal(ahead.score_pages(other_request), exact.score_pages(other_request))
     with pytest.raises(ConfigError, match="'off', 'step' or 'layer'"):
         Router2Retrieval(weights="none", predict_ahead="ahead")

@@ -98,8 +98,8 @@ def test_allocated_bytes_are_every_tensor_the_cache_and_its_method_hold(model_an
     assert alloc["total"] == _held_bytes(cache, model)
     # KV: every layer's key and value buffers as allocated (longest head, decode slots used or not)
     layers = cache.layers
-    assert alloc["kv"] == sum(2 * layer._k.numel() * layer._k.element_size() for layer in layers)
-    assert [row["bytes_allocated"] for row in s["layers"]] == [2 * x._k.numel() * 4 for x in layers]
+    assert alloc["kv"] == sum(2 * layer.store.k.numel() * layer.store.k.element_size() for layer in layers)
+    assert [row["bytes_allocated"] for row in s["layers"]] == [2 * x.store.k.numel() * 4 for x in layers]
     # the plain cache of this request: every prompt position (padding included) and every token fed after it
     t = model.config.text_config
     B, N = inputs["input_ids"].shape
@@ -125,7 +125,7 @@ def test_eviction_reports_the_decode_slots_and_tables_it_allocates_beyond_what_i
     t = model.config.text_config
     B = inputs["input_ids"].shape[0]
     per_slot = 2 * B * t.num_key_value_heads * (t.hidden_size // t.num_attention_heads) * 4  # K + V, fp32
-    decode_slots = cache.layers[0]._k.shape[2] - cache.layers[0].prompt_slots
+    decode_slots = cache.layers[0].store.k.shape[2] - cache.layers[0].prompt_slots
     assert decode_slots >= 64  # room preallocated after prefill
     assert alloc["kv"] >= s["kv_bytes_kept"] + t.num_hidden_layers * decode_slots * per_slot
     assert alloc["metadata"] > 0 and alloc["summaries"] == 0 and alloc["method_state"] == 0
@@ -166,5 +166,7 @@ def test_kvp_reports_its_agents_and_their_cached_position_table(model_and_proces
     cache, _, s = _run(model, processor, method="kvp", budget=0.25, method_options={"agents": agents})
     weights = sum(p.numel() * p.element_size() for p in agents.parameters())
     table = agents._pos_terms[1]  # LN_p(pos_emb) @ w1_p for every (agent, position), built on first use
-    partition = sum(x.numel() * x.element_size() for x in cache.request.kvp_log_partition.values())
+    partition = sum(
+        x.numel() * x.element_size() for x in cache.request.state_of(cache.eviction).log_partition.values()
+    )
     assert s["allocated_bytes"]["method_state"] == weights + table.numel() * table.element_size() + partition

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mm_oval
-from mm_oval import cache as cache_mod
+from mm_oval.cache import summaries as cache_mod
 from mm_oval.config import OvalConfig
 from mm_oval.wrapper import prefill
 
@@ -105,8 +105,8 @@ def test_the_chunk_keeps_its_temporaries_within_the_share_of_the_layers_kv(tiny_
         mm_oval.unwrap(wrapped)
     layer = cache.layers[0]
     B, H, L, D = layer.keys.shape
-    T = layer._page_width(0, layer.prompt_pages)
-    step = layer._summary_chunk(T)
+    T = cache_mod.page_width(layer, 0, layer.prompt_pages)
+    step = cache_mod.summary_chunk(layer, T)
     kv = 2 * layer.keys.numel() * layer.keys.element_size()
     padded_fp32 = 2 * B * H * step * T * D * 4  # the chunk's keys and values in fp32 alone
     assert step >= 1 and padded_fp32 <= cache_mod.SUMMARY_TEMP_SHARE * kv

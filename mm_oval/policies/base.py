@@ -11,7 +11,10 @@ A policy never touches storage and the cache never decides:
 Adding a method is one class here (or in a sibling file) plus `register_eviction` / `register_retrieval`.
 What a policy reads beyond the layer's keys and values it declares with class attributes
 (`needs_queries`, `needs_hidden_states`, `needs_inputs_embeds`, `needs_last_hidden`); the wrapped model
-captures only what the configured policies declare.
+captures only what the configured policies declare. A policy that remembers something from one layer or
+step to the next declares its state class (a dataclass) and never keeps it on itself (one policy serves
+many requests, and a cache's copy shares it): `State`, made fresh per request and copied with it
+(`ctx.request.state_of(self)`), and `StepScratch`, made fresh per forward (`ctx.step.state_of(self)`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ class EvictionPolicy:
     name: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False
     needs_hidden_states: ClassVar[bool] = False
+    # the policy's per-request memory (e.g. FastV's ranking): a fresh instance per request,
+    # `ctx.request.state_of(self)`; None: the policy keeps nothing between layers
+    State: ClassVar[type | None] = None
     # True when the scores of a layer's KV heads are on one scale, so that a budget shared by the heads (AdaKV,
     # head_budget="shared") may rank them jointly; False makes the configuration refuse such a budget
     # (policies/budgets.py). A policy whose answer depends on its options makes this a property.
@@ -115,6 +121,10 @@ class RetrievalPolicy:
     needs_inputs_embeds: ClassVar[bool] = False
     # True makes a wrapped model keep the previous token's final hidden state (`DecodeContext.step.last_hidden`)
     needs_last_hidden: ClassVar[bool] = False
+    # the policy's per-request memory of earlier steps (`ctx.request.state_of(self)`, fresh per request) and
+    # what the layers of one decode step share (`ctx.step.state_of(self)`, fresh per forward); None: none
+    State: ClassVar[type | None] = None
+    StepScratch: ClassVar[type | None] = None
 
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
         raise NotImplementedError

@@ -204,6 +204,13 @@ class SnapKV(EvictionPolicy):
         return s
 
 
+@dataclass
+class FastVState:
+    """FastV's memory of one request: the ranking its layer computed, read by the layers above."""
+
+    rank: torch.Tensor | None = None  # (B, N) the last prompt token's attention to each image token
+
+
 @register_eviction
 @dataclass
 class FastV(EvictionPolicy):
@@ -214,6 +221,7 @@ class FastV(EvictionPolicy):
     name = "fastv"
     needs_queries = True
     comparable_across_heads = True  # one ranking (mean over heads) shared by every head
+    State = FastVState
     layer: int = 2
 
     def __post_init__(self) -> None:
@@ -239,10 +247,10 @@ class FastV(EvictionPolicy):
         B, H, N, _ = ctx.keys.shape
         if ctx.layer_idx == self.layer:
             a = attention_rows(ctx, torch.tensor([N - 1], device=ctx.keys.device))[:, :, 0].mean(1)  # (B, N)
-            ctx.request.fastv_rank = a.masked_fill(ctx.modality != IMAGE, 0.0)
+            ctx.request.state_of(self).rank = a.masked_fill(ctx.modality != IMAGE, 0.0)
         if ctx.layer_idx <= self.layer:
             return torch.zeros(B, H, N, device=ctx.keys.device)
-        rank = ctx.request.fastv_rank
+        rank = ctx.request.state_of(self).rank
         if rank is None:
             raise ConfigError(f"fastv: layer={self.layer} is not a layer of this model")
         return _per_kv_head(ctx, rank.masked_fill(ctx.modality == PAD, 0.0))

@@ -17,6 +17,7 @@ Plackett-Luce mass), so they can also be ranked jointly across the heads of a la
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,16 @@ __all__ = [
 ]
 
 
+@dataclass
+class KVPState:
+    """KVP's memory of one request: per layer, the per-head log-partition of its prefill scores (the scale
+    of the scores of tokens arriving later), and the prompt's `pair_kernel` (the same for every layer)."""
+
+    log_partition: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, 1)
+    # (image_rc, modality, pair): the pair kernel and the prompt layout it was computed for
+    pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
 @register_eviction
 class KVPPolicy(EvictionPolicy):
     """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`), or
@@ -59,10 +70,11 @@ class KVPPolicy(EvictionPolicy):
     trained with `joint_heads` (one scale across a layer's heads: a budget shared by the heads, AdaKV or
     `head_budget="shared"`, accepts them), per-head log-softmax normalised otherwise (refused there:
     `comparable_across_heads`). `score_tokens` scores tokens arriving during decode on the same
-    scale (normalised by the prefill's per-head log-partition, kept in ctx.request)."""
+    scale (normalised by the prefill's per-head log-partition, kept in the request's `KVPState`)."""
 
     name = "kvp"
     needs_queries = False
+    State = KVPState
 
     @property
     def comparable_across_heads(self) -> bool:  # type: ignore[override]
@@ -153,7 +165,7 @@ class KVPPolicy(EvictionPolicy):
         raw = self.raw_scores(ctx)
         if not self.agents.config.joint_heads:  # joint-heads scores are already on one scale
             lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # padding is -inf and drops out
-            ctx.request.kvp_log_partition[ctx.layer_idx] = lse
+            ctx.request.state_of(self).log_partition[ctx.layer_idx] = lse
             raw = raw - lse
         if not self.selection.active:
             return raw
@@ -163,12 +175,13 @@ class KVPPolicy(EvictionPolicy):
 
     def _pairs(self, ctx: PrefillContext) -> torch.Tensor:
         """The prompt's `pair_kernel`, computed once for the layers of one request (same image layout)."""
-        kept = getattr(self, "_pair_cache", None)
+        state = ctx.request.state_of(self)
+        kept = state.pairs
         if kept is not None and kept[0].shape == ctx.image_rc.shape and kept[0].device == ctx.image_rc.device:
             if torch.equal(kept[0], ctx.image_rc) and torch.equal(kept[1], ctx.modality):
                 return kept[2]
         pair = pair_kernel(ctx.modality, ctx.image_rc, self.selection.sigma)
-        self._pair_cache = (ctx.image_rc.clone(), ctx.modality.clone(), pair)
+        state.pairs = (ctx.image_rc.clone(), ctx.modality.clone(), pair)
         return pair
 
     @torch.no_grad()
@@ -188,5 +201,5 @@ class KVPPolicy(EvictionPolicy):
         if image_rc is None:
             image_rc = torch.full((*positions.shape, 3), -1, dtype=torch.long, device=positions.device)
         raw = self.agents.score_layer(layer_idx, keys, values, positions, modality, image_rc)
-        lse = request.kvp_log_partition.get(layer_idx) if request is not None else None
+        lse = request.state_of(self).log_partition.get(layer_idx) if request is not None else None
         return raw - lse if lse is not None else raw

@@ -350,6 +350,21 @@ def pool_page_content(
 # the retrieval policy
 
 
+@dataclass
+class TextStateScratch:
+    """What the layers of one decode step share: the router's text state of the step's `last_hidden`
+    (computed by the first layer that scores, reused by the others)."""
+
+    hidden: torch.Tensor | None = None  # the `last_hidden` it was computed from
+    text_state: torch.Tensor | None = None
+
+    def of(self, hidden: torch.Tensor, compute: Any) -> torch.Tensor:
+        """The text state of `hidden`: `compute(hidden)` once per step."""
+        if self.text_state is None or self.hidden is not hidden:
+            self.hidden, self.text_state = hidden, compute(hidden)
+        return self.text_state
+
+
 @register_retrieval
 class RouterRetrieval(RetrievalPolicy):
     """Learned page retrieval. Options: `weights` (a router directory; default: the bundled tiny LLaVA's).
@@ -360,6 +375,7 @@ class RouterRetrieval(RetrievalPolicy):
     name: ClassVar[str] = "router"
     needs_inputs_embeds: ClassVar[bool] = True  # page contents pool the prompt's input embeddings
     needs_last_hidden: ClassVar[bool] = True  # the previous token's final hidden state routes
+    StepScratch: ClassVar[type] = TextStateScratch
 
     def __init__(
         self,
@@ -441,7 +457,5 @@ class RouterRetrieval(RetrievalPolicy):
             )
         with torch.no_grad():
             # the text state depends on the step only: the first layer computes it, the others reuse it
-            cached = ctx.step.router_text_state
-            if cached is None or cached[0] is not hidden:
-                cached = ctx.step.router_text_state = (hidden, self.router.text_state(hidden))
-            return self.router(hidden, emb, ctx.page_kind, ctx.page_len > 0, ctx.layer_idx, cached[1])
+            text_state = ctx.step.state_of(self).of(hidden, self.router.text_state)
+            return self.router(hidden, emb, ctx.page_kind, ctx.page_len > 0, ctx.layer_idx, text_state)

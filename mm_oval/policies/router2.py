@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -55,7 +54,14 @@ from .base import (
     select_by_score,
 )
 from .page_summaries import SUMMARY_FORMATS, dequantize_int8, quantize_int8
-from .router import LoRALinear, check_signature, load_weights_dir, pool_page_content, save_weights_dir
+from .router import (
+    LoRALinear,
+    TextStateScratch,
+    check_signature,
+    load_weights_dir,
+    pool_page_content,
+    save_weights_dir,
+)
 
 WEIGHTS_FILE = "router2.safetensors"
 CONFIG_FILE = "router2.json"
@@ -271,38 +277,29 @@ def bundled_router2_path(name: str = "bundled576") -> Path:
 # the retrieval policy
 
 
-class _StepMemory:
-    """Per layer, something from the previous decode step of the same request (the cache's StepState
-    identifies the request: a new request starts empty)."""
+@dataclass
+class Router2State:
+    """Router v2's memory of one request's decode steps (fresh per request, copied with it)."""
 
-    def __init__(self) -> None:
-        self._items: dict[int, tuple[Any, Any]] = {}
+    # layer -> the newest query row of the layer at the previous step (predict_ahead="step")
+    previous_query: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (layer, its newest query row) of the layer just run in this step (predict_ahead="layer")
+    layer_query: tuple[int, torch.Tensor] | None = None
+    # layer -> (B, Hkv, steps, P) bool: the pages each recent step read, the co-read graph's window
+    history: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def get(self, ctx: DecodeContext) -> Any:
-        item = self._items.get(ctx.layer_idx)
-        if item is None or item[0]() is not ctx.step:
-            return None
-        return item[1]
-
-    def put(self, ctx: DecodeContext, value: Any) -> None:
-        self._items[ctx.layer_idx] = (weakref.ref(ctx.step), value)
-
-
-class _LayerMemory:
-    """The newest query row of the layer just before, in the same decode step of the same request (layers
-    run in order within a step; the cache's StepState identifies the step)."""
-
-    def __init__(self) -> None:
-        self._item: tuple[Any, int, torch.Tensor] | None = None
-
-    def get(self, ctx: DecodeContext) -> torch.Tensor | None:
-        item = self._item
-        if item is None or item[0]() is not ctx.step or item[1] != ctx.layer_idx - 1:
-            return None
-        return item[2]
-
-    def put(self, ctx: DecodeContext, query: torch.Tensor) -> None:
-        self._item = (weakref.ref(ctx.step), ctx.layer_idx, query)
+    def query_ahead(self, ctx: DecodeContext, mode: str) -> torch.Tensor | None:
+        """The query `mode` predicts this layer's pages from (None: none yet), then this step's kept for the
+        next: the same layer's at the previous step ("step"), the layer before's in this step ("layer")."""
+        now = ctx.query[:, :, -1:].detach()
+        if mode == "step":
+            prev = self.previous_query.get(ctx.layer_idx)
+            self.previous_query[ctx.layer_idx] = now
+        else:
+            item = self.layer_query
+            prev = item[1] if item is not None and item[0] == ctx.layer_idx - 1 else None
+            self.layer_query = (ctx.layer_idx, now)
+        return prev
 
 
 # "step": step t+1's pages from step t's query of the same layer; "layer": layer l+1's pages from layer l's
@@ -336,6 +333,8 @@ class Router2Retrieval(RetrievalPolicy):
     name: ClassVar[str] = "router2"
     needs_inputs_embeds: ClassVar[bool] = True
     needs_last_hidden: ClassVar[bool] = True
+    State: ClassVar[type] = Router2State
+    StepScratch: ClassVar[type] = TextStateScratch
 
     def __init__(
         self,
@@ -381,9 +380,6 @@ class Router2Retrieval(RetrievalPolicy):
         self.predict_ahead = predict_ahead
         self.check_weights = check_weights
         self.gcn_budget = float(gcn_budget)
-        self._previous_query = _StepMemory()
-        self._layer_query = _LayerMemory()
-        self._history = _StepMemory()
         if model is not None:
             self.bind(model)
 
@@ -451,9 +447,7 @@ class Router2Retrieval(RetrievalPolicy):
         ahead, the previous step's query of this layer ("step") or this step's query of the layer before
         ("layer")."""
         if self.predict_ahead != "off":
-            memory = self._previous_query if self.predict_ahead == "step" else self._layer_query
-            prev = memory.get(ctx)
-            memory.put(ctx, ctx.query[:, :, -1:].detach())
+            prev = ctx.request.state_of(self).query_ahead(ctx, self.predict_ahead)
             if prev is not None and prev.shape != ctx.query[:, :, -1:].shape:
                 prev = None
             ctx = predicted_context(ctx, prev)
@@ -479,12 +473,10 @@ class Router2Retrieval(RetrievalPolicy):
                 f"{hidden.shape[-1]}: it was trained for another model; {_HINT}"
             )
         with torch.no_grad():
-            cached = ctx.step.router_text_state  # one text state per step, shared by the layers
-            if cached is None or cached[0] is not hidden:
-                cached = ctx.step.router_text_state = (hidden, self.net.text_state(hidden))
+            text_state = ctx.step.state_of(self).of(hidden, self.net.text_state)  # once per step
             history = self._gcn_history(ctx) if self.net.config.gcn else None
             corr = self.net.correction(
-                cached[1],
+                text_state,
                 self.page_embeddings(ctx.summaries),
                 ctx.page_kind,
                 ctx.page_len > 0,
@@ -495,7 +487,7 @@ class Router2Retrieval(RetrievalPolicy):
         return base, base + corr
 
     def _gcn_history(self, ctx: DecodeContext) -> torch.Tensor:
-        h = self._history.get(ctx)
+        h = ctx.request.state_of(self).history.get(ctx.layer_idx)
         p = ctx.page_len.shape[-1]
         if h is None:
             return ctx.candidates.new_zeros(*ctx.candidates.shape[:2], 0, p)
@@ -511,7 +503,7 @@ class Router2Retrieval(RetrievalPolicy):
         if self.net is not None and self.net.config.gcn:  # what the co-read graph of later steps holds
             read = select_by_score(scores, ctx.candidates, self.gcn_budget)
             h = torch.cat([self._gcn_history(ctx), read.unsqueeze(-2)], -2)
-            self._history.put(ctx, h[..., -self.net.config.gcn_window :, :])
+            ctx.request.state_of(self).history[ctx.layer_idx] = h[..., -self.net.config.gcn_window :, :]
         return chosen
 
     def state_tensors(self) -> list[torch.Tensor]:

@@ -375,9 +375,15 @@ def policy_scorer(policy: Any, rope: Any = None) -> Scorer:
     """Any EvictionPolicy (e.g. from EVICTION_REGISTRY) as a scorer on traces. `rope`: the traced model's
     `policies.base.Rope`, for methods that need RoPE at other positions (expected_attention)."""
 
+    request: dict[str, Any] = {"trace": None, "state": None}  # one RequestState per trace: the policy's
+    # memory of the trace's request (e.g. KVP's pair kernel) serves its layers, as in the cache
+
     def score(trace: dict, layer: int) -> torch.Tensor:
         ctx = trace_context(trace, layer)
         ctx.rope = rope
+        if request["trace"] is not trace:
+            request["trace"], request["state"] = trace, ctx.request
+        ctx.request = request["state"]
         if getattr(policy, "needs_queries", False) and ctx.queries is None:
             raise DataError(
                 f"{getattr(policy, 'name', policy)} needs queries; capture traces with queries stored"

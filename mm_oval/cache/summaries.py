@@ -1,0 +1,82 @@
+"""The retrieval policy's page summaries of one layer: built when pages close (every prompt page after
+prefill, each text page that fills up at decode), in chunks whose temporaries stay within a share of the
+layer's KV bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..core import PageBatch
+from ..pages import gather_pages
+
+# the share of a layer's KV bytes that the temporaries of building its page summaries may take at once
+SUMMARY_TEMP_SHARE = 0.25
+
+
+def summary_chunk(layer: Any, T: int) -> int:
+    """Pages (padded to T tokens) per `summarize` call: as many as keep the call's temporaries (padded page
+    keys/values, their fp32 copies, Gram matrices and eigendecompositions, the page tokens' input
+    embeddings for a policy that pools them) within SUMMARY_TEMP_SHARE of the layer's KV bytes (at least
+    one page)."""
+    B, H, L, D = layer.keys.shape
+    hidden = 0
+    embeds = layer.owner.request.inputs_embeds
+    if layer.owner.retrieval.needs_inputs_embeds and embeds is not None:
+        hidden = embeds.shape[-1]
+    per_page = B * H * T * ((4 * layer.keys.element_size() + 48) * D + 12 * hidden + 32 * T)
+    kv = 2 * layer.keys.numel() * layer.keys.element_size()
+    return max(1, int(SUMMARY_TEMP_SHARE * kv) // per_page)
+
+
+def page_width(layer: Any, first: int, stop: int) -> int:
+    """The padded width T of pages [first, stop) as gather_pages pads them all at once."""
+    length = layer.page_len[..., first:stop]
+    return max(int(length.max()) if length.numel() else 0, 1)
+
+
+def summarize(layer: Any, first: int, stop: int) -> None:
+    """Summaries of pages [first, stop), appended to `layer.summaries`. Built in chunks of pages (each
+    padded to the width of the whole range, so that the summaries are those of one call) written into one
+    preallocated tensor per summary: the temporaries stay within a share of the layer's KV bytes."""
+    T = page_width(layer, first, stop)
+    step = summary_chunk(layer, T)
+    new: dict[str, torch.Tensor] = {}
+    slot_src = layer.slot_src
+    for a in range(first, stop, step):
+        b = min(stop, a + step)
+        part = layer.owner.retrieval.summarize(_page_batch(layer, a, b, T, slot_src))
+        if step >= stop - first:
+            new = part
+            break
+        for name, t in part.items():
+            if name not in new:
+                new[name] = t.new_empty((*t.shape[:2], stop - first, *t.shape[3:]))
+            new[name][:, :, a - first : b - first] = t
+    for name, t in new.items():
+        old = layer.summaries.get(name)
+        layer.summaries[name] = t if old is None else torch.cat([old, t], dim=2)
+
+
+def _page_batch(layer: Any, a: int, b: int, T: int, slot_src: torch.Tensor) -> PageBatch:
+    """Pages [a, b) of `layer`, padded to T tokens, as the retrieval policy's `summarize` takes them."""
+    k, v, mask, src = gather_pages(
+        layer.keys, layer.values, layer.page_start, layer.page_len, slice(a, b), slot_src
+    )
+    if k.shape[-2] < T:  # the padding gather_pages gives the pages of the whole range
+        pad = T - k.shape[-2]
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        mask, src = F.pad(mask, (0, pad)), F.pad(src, (0, pad), value=-1)
+    return PageBatch(
+        layer_idx=layer.layer_idx,
+        keys=k,
+        values=v,
+        mask=mask,
+        kind=layer.page_kind[..., a:b],
+        first_page=a,
+        module=layer.module,
+        token_index=src,
+        request=layer.owner.request,
+    )
