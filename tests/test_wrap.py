@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from PIL import Image
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import mm_oval
 from mm_oval import wrapper
@@ -226,13 +226,10 @@ def test_unwrap_restores_the_plain_model(model_and_processor):
 
 def test_clear_errors(model_and_processor):
     model, processor = model_and_processor
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-        )
-    )
+    # a decoder-only LM of a family the wrapper does not know (plain Llama/Mistral/Qwen2 LMs are wrapped)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32))
     with pytest.raises(ModelError, match="not a LLaVA-style model"):
-        mm_oval.wrap(llama)
+        mm_oval.wrap(gpt2)
     with pytest.raises(ConfigError, match=r"out of range.*\(0, 1\]"):
         mm_oval.wrap(model, method="snapkv", budget=1.5)
     with pytest.raises(ConfigError, match="out of range"):
@@ -250,7 +247,7 @@ def test_clear_errors(model_and_processor):
     with pytest.raises(ConfigError, match="beam search"):
         model.generate(**_batch(processor, 1), max_new_tokens=2, num_beams=2)
     with pytest.raises(ConfigError, match="not wrapped"):
-        get_stats(llama)
+        get_stats(gpt2)
 
 
 def test_stats_describe_the_last_request(model_and_processor):
