@@ -722,7 +722,7 @@ class Evaluation:
             )
         method_config = check_method(o.method, budget)
         data_options = {k: v for k, v in (o.data_options or {}).items() if v is not None}
-        data_path = resolve_data(self.data_arg)
+        data_path = resolve_data(self.data_arg, task)
         self.task, self.budget = task, budget
         self.max_new = o.max_new_tokens or task.max_new_tokens
         self.run_config = RunConfig(
@@ -914,7 +914,7 @@ def score_file(task: str, data: str | Path, predictions_file: str | Path, out: s
     _check_count("--limit", limit)
     task_obj = get_task(task)
     task_obj.rule(rules)  # an unknown scoring rule fails before the data are read
-    data_path = resolve_data(data)
+    data_path = resolve_data(data, task_obj)
     data_options = {k: v for k, v in (data_options or {}).items() if v is not None}
     items = task_obj.load(data_path, limit=limit, **data_options)
     preds = task_obj.read_predictions(Path(predictions_file), items)
