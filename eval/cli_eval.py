@@ -47,7 +47,7 @@ def per_task(tasks: list[Task], text: dict[str, str]) -> str:
     for t in tasks:
         if t.name in text:
             by_text.setdefault(text[t.name], []).append(t.title)
-    return "; ".join(f"{'/'.join(titles)}: {line}" for line, titles in by_text.items())
+    return "; ".join(f"{'/'.join(dict.fromkeys(titles))}: {line}" for line, titles in by_text.items())
 
 
 def data_option_names() -> list[str]:

@@ -701,7 +701,7 @@ class Evaluation:
     def load(self) -> None:
         o, model = self.options, self.model
         task = get_task(self.task_arg) if isinstance(self.task_arg, str) else self.task_arg
-        text_task = getattr(task, "kind", None) is not None  # a long-context text task (eval/longtext.py)
+        text_task = task.modality == "text"  # a long-context text task (eval/longtext.py)
         check_model(model, text_task)
         task.rule(o.rules)  # the scoring rule (recorded in scores["rules"]); an unknown name fails here
         budget = parse_budget(o.budget)

@@ -84,6 +84,9 @@ class Task(ABC):
     name: ClassVar[str]  # what --task names, and the key in `TASKS`
     title: ClassVar[str]  # the benchmark's own spelling, in help texts ("VQAv2")
     metric_label: ClassVar[str]  # the primary score's column header in tables ("VQAv2 acc")
+    # "image": an image and a question per item (a LLaVA-style model); "text": a context read before the
+    # question, no image (a plain language model; eval/longtext.py)
+    modality: ClassVar[str] = "image"
     # short answers: greedy decoding stops at EOS long before this; it only bounds runaway outputs
     max_new_tokens: ClassVar[int] = 16
     primary_metric: ClassVar[str]
