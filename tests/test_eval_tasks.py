@@ -33,9 +33,12 @@ def test_every_task_declares_what_the_command_line_and_the_demo_read():
         assert all(isinstance(o, DataOption) for o in task.data_options)
         for name, folder in task.bundled.items():
             assert resolve_data(name, task) == folder()
+        assert task.modality in ("image", "text")
     labels = {t.name: t.metric_label for t in all_tasks()}
-    assert labels == {"vqav2": "VQAv2 acc", "mmbench": "MMBench circular", "pope": "POPE F1",
-                      "textvqa": "TextVQA acc", "objlist": "object list F1"}  # fmt: skip
+    assert {k: labels[k] for k in ("vqav2", "mmbench", "pope", "textvqa", "objlist")} == {
+        "vqav2": "VQAv2 acc", "mmbench": "MMBench circular", "pope": "POPE F1",
+        "textvqa": "TextVQA acc", "objlist": "object list F1"}  # fmt: skip
+    assert labels["passkey_1k"] == "passkey_1k acc" and get_task("passkey_1k").modality == "text"
 
 
 def test_the_data_flags_and_their_options_are_the_ones_before():
