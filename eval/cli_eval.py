@@ -10,7 +10,7 @@ import math
 from ..modelfiles import add_load_arguments, load_from_args
 from ..prompts import COMPRESS_AT
 from .runner import check_method, evaluate, parse_budget, process_state
-from .tasks import TASKS
+from .tasks import TASKS, Task, all_tasks
 
 log = logging.getLogger(__name__)
 
@@ -40,22 +40,36 @@ def budget_value(text: str) -> float | int:
     return value
 
 
+def per_task(tasks: list[Task], text: dict[str, str]) -> str:
+    """`text` per task name -> one help line: "VQAv2/TextVQA: a" when the tasks say the same, else "VQAv2: a;
+    TextVQA: b" (in registry order)."""
+    by_text: dict[str, list[str]] = {}
+    for t in tasks:
+        if t.name in text:
+            by_text.setdefault(text[t.name], []).append(t.title)
+    return "; ".join(f"{'/'.join(dict.fromkeys(titles))}: {line}" for line, titles in by_text.items())
+
+
+def data_option_names() -> list[str]:
+    """Every registered task's data options (their `load` keywords), each once, in registry order."""
+    return list(dict.fromkeys(o.name for t in all_tasks() for o in t.data_options))
+
+
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """--task, --data, each registered task's data options (see `Task.data_options`) and --limit."""
+    tasks = all_tasks()
     parser.add_argument("--task", required=True, choices=list(TASKS), help="benchmark")
+    bundled = sorted({name for t in tasks for name in t.bundled}, key=lambda n: (len(n), n))
     parser.add_argument(
         "--data",
         required=True,
-        help="dataset file or folder ('bundled' = the bundled synthetic dev sets). MMBench: the TSV; "
-        "VQAv2: folder with *questions*.json, *annotations*.json and the images; TextVQA: the JSON; "
-        "POPE: the JSONL or a folder of coco_pope_<category>.json; objlist: list_dev.jsonl or its folder",
+        help=f"dataset file or folder ({' / '.join(repr(n) for n in bundled)} = the bundled synthetic dev sets "
+        f"of the tasks that have them). {per_task(tasks, {t.name: t.data_help for t in tasks})}",
     )
-    parser.add_argument("--questions", help="VQAv2/TextVQA questions file (overrides the search in --data)")
-    parser.add_argument("--annotations", help="VQAv2 annotations file (overrides the search in --data)")
-    parser.add_argument(
-        "--images", help="image folder (default: images/, val2014/ or train_images/ beside the data)"
-    )
-    parser.add_argument("--image-map", help="VQAv2: JSON {image_id: file name} instead of COCO file names")
-    parser.add_argument("--ocr", help="TextVQA: Rosetta OCR JSON; adds LLaVA's 'Reference OCR token:' line")
+    for name in data_option_names():
+        declared = {t.name: o for t in tasks for o in t.data_options if o.name == name}
+        flag = next(iter(declared.values())).flag
+        parser.add_argument(flag, dest=name, help=per_task(tasks, {k: o.help for k, o in declared.items()}))
     parser.add_argument(
         "--limit",
         type=positive_int,
@@ -64,13 +78,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def data_options(args: argparse.Namespace) -> dict:
-    return {
-        "questions": args.questions,
-        "annotations": args.annotations,
-        "images": args.images,
-        "image_map": args.image_map,
-        "ocr": args.ocr,
-    }
+    """The data options given on the command line, for the task's loader (unset ones are None)."""
+    return {name: getattr(args, name) for name in data_option_names()}
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +87,13 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size", type=positive_int, default=1, help="questions per generate call (left padding)"
     )
-    parser.add_argument("--max-new-tokens", type=positive_int, help="default: 16 (short answers); objlist: 48")
+    default = Task.max_new_tokens
+    longer = "; ".join(f"{t.name}: {t.max_new_tokens}" for t in all_tasks() if t.max_new_tokens != default)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        help=f"default: {default} (short answers)" + (f"; {longer}" if longer else ""),
+    )
     parser.add_argument(
         "--multi-turn",
         type=positive_int,
@@ -111,11 +126,12 @@ def generation_options(args: argparse.Namespace) -> dict:
 
 
 def add_rules_argument(parser: argparse.ArgumentParser) -> None:
+    tasks = all_tasks()
+    rules = {t.name: ", ".join(f"{r.name} ({r.repository} @ {r.commit[:7]})" for r in t.rules) for t in tasks}
     parser.add_argument(
         "--rules",
-        help="scoring rule where the official sources disagree (default: the task's first). VQAv2: "
-        "lmms-eval (default), vqaeval (VQA master a013f00), vqaeval-2017 (c4e6a0e); MMBench: opencompass; "
-        "TextVQA: m4c; POPE: llava; objlist: objlist-v1",
+        help="scoring rule where the official sources disagree (default: the task's first). "
+        + per_task(tasks, rules),
     )
 
 

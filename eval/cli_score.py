@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from .cli_eval import add_data_arguments, add_rules_argument, data_options, print_summary
+from .cli_eval import add_data_arguments, add_rules_argument, data_options, per_task, print_summary
 from .runner import score_file
+from .tasks import all_tasks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
+    tasks = all_tasks()
     parser.add_argument(
         "--predictions",
         required=True,
-        help='VQAv2/TextVQA: JSON [{"question_id", "answer"}]; MMBench: TSV/CSV/XLSX with index and prediction; '
-        "POPE, objlist: JSONL with question_id and text",
+        help="the predictions file. " + per_task(tasks, {t.name: t.predictions_format for t in tasks}),
     )
     add_rules_argument(parser)
     parser.add_argument("--out", help="write the results JSON here (a folder or a .json path)")

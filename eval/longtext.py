@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 from ..errors import ConfigError, DataError
 from ..files import atomic_write_text
 from .files import read_jsonl_answers
-from .tasks import Item, Rule, Task
+from .tasks import BUNDLED_SETS, Item, Rule, Task
 
 LONGTEXT_RULES = (
     Rule(
@@ -176,7 +176,14 @@ def _no_image() -> None:
 
 
 def _item(iid: str, context: str, question: str, meta: dict, group: str | None = None) -> Item:
-    return Item(id=iid, prompt=question, image=_no_image, meta=meta, group=group or iid, context=context)
+    return Item(
+        id=iid,
+        prompt=LongTextTask.prompt(question),
+        image=_no_image,
+        meta=meta,
+        group=group or iid,
+        context=context,
+    )
 
 
 def keys_in(text: str | None) -> list[str]:
@@ -232,10 +239,20 @@ class LongTextTask(Task):
 
     kind: ClassVar[str]
     length: ClassVar[str]
+    title = "long-context text"
+    modality = "text"
     primary_metric = "accuracy"
+    data_help = "a folder with longtext.json (seed, questions per length, sentences per length) or the file"
+    # `--data bundled` / `bundled576`: a folder without longtext.json, so the project's own spec (BUNDLED_SPEC)
+    bundled = BUNDLED_SETS
     predictions_format = "JSONL rows {question_id, text} (LLaVA's answers format)"
     rules = LONGTEXT_RULES
     max_new_tokens = 24
+
+    @staticmethod
+    def prompt(question: str) -> str:
+        """The question as it is: the chat template goes around it, and the context is read before it."""
+        return question
 
     def load(self, data: Path, limit: int | None = None, **_: Any) -> list[Item]:
         spec = read_spec(data)
@@ -294,6 +311,7 @@ def _task_class(kind: str, length: str) -> type[LongTextTask]:
         (LongTextTask,),
         {
             "name": name,
+            "metric_label": f"{name} {'exact' if kind == 'keylist' else 'acc'}",
             "kind": kind,
             "length": length,
             "max_new_tokens": {"keylist": 64, "message": 32, "trio": 32}.get(kind, 16),

@@ -43,7 +43,7 @@ from ..errors import DataError
 from ..files import is_missing
 from ..prompts import OPTION_LETTERS, is_none, mmbench_prompt
 from .files import decode_base64_image, read_table, write_table
-from .tasks import Item, Rule, Task, find_one
+from .tasks import BUNDLED_SETS, Item, Rule, Task, find_one
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,17 @@ def extract_answer(answer: str, choices: dict[str, Any]) -> str | None:
 
 class MMBenchTask(Task):
     name = "mmbench"
+    title = "MMBench"
+    metric_label = "MMBench circular"
     primary_metric = "circular_accuracy"
+    data_help = "the TSV"
+    bundled = BUNDLED_SETS
     predictions_format = (
         "TSV / CSV / XLSX with columns index and prediction (LLaVA's and VLMEvalKit's outputs)"
     )
     rules = MMBENCH_RULES
+    # LLaVA-1.5's MMBench prompt (question, hint, option texts; see the module's docstring)
+    prompt = staticmethod(build_prompt)
 
     def load(self, data: Path, limit: int | None = None, **_: Any) -> list[Item]:
         path = (
@@ -187,7 +193,7 @@ class MMBenchTask(Task):
             items.append(
                 Item(
                     id=str(index),
-                    prompt=build_prompt(row["question"], row.get("hint"), options),
+                    prompt=self.prompt(row["question"], row.get("hint"), options),
                     image=(lambda cell=image_cell, w=where: decode_base64_image(cell, w)),
                     meta={
                         "answer": answer,

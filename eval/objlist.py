@@ -29,8 +29,9 @@ from typing import Any
 from ..errors import DataError
 from ..files import atomic_write_text
 from ..prompts import list_prompt, load_image
+from ..zoo import bundled576_data_dir
 from .files import read_jsonl_answers, read_jsonl_lines
-from .tasks import Item, Rule, Task, find_one
+from .tasks import DataOption, Item, Rule, Task, find_one
 from .vqa import find_image_dir
 
 OBJLIST_RULES = (
@@ -143,11 +144,18 @@ def _check_row(row: dict, where: str) -> None:
 
 class ObjListTask(Task):
     name = "objlist"
+    title = "objlist"
+    metric_label = "object list F1"
     # a list of several objects: ~2-3 tokens per item plus separators; greedy decoding stops at EOS
     max_new_tokens = 48
     primary_metric = "f1"
+    data_help = "list_dev.jsonl or its folder"
+    data_options = (DataOption("images", "image folder (default: images/ beside the data)"),)
+    bundled = {"bundled576": bundled576_data_dir}  # the 64-token benchmark has no object lists
     predictions_format = 'JSONL rows {"question_id", "text"} (LLaVA\'s answers file)'
     rules = OBJLIST_RULES
+    # the question, then "List each object by its color and shape, separated by commas."
+    prompt = staticmethod(list_prompt)
 
     def load(self, data: Path, limit: int | None = None, images: str | None = None, **_: Any) -> list[Item]:
         path = data if data.is_file() else find_one(data, ["list_dev.jsonl", "list*.jsonl"], "object-list")
@@ -174,7 +182,7 @@ class ObjListTask(Task):
             items.append(
                 Item(
                     id=str(qid),
-                    prompt=list_prompt(row["question"]),
+                    prompt=self.prompt(row["question"]),
                     image=(lambda p=img: load_image(p)),
                     meta={"question_id": qid, "answer": list(row["answer"]), "order": row["order"]},
                     group=row["image"],

@@ -27,7 +27,7 @@ from ..errors import DataError
 from ..files import atomic_write_text
 from ..prompts import SHORT_ANSWER_PROMPT, load_image, short_answer_prompt
 from .files import read_jsonl_answers, read_jsonl_lines
-from .tasks import Item, Rule, Task
+from .tasks import BUNDLED_SETS, DataOption, Item, Rule, Task
 from .vqa import find_image_dir
 
 
@@ -94,9 +94,19 @@ def binary_metrics(preds: list[int], labels: list[int]) -> dict[str, Any]:
 
 class POPETask(Task):
     name = "pope"
+    title = "POPE"
+    metric_label = "POPE F1"
     primary_metric = "f1"
+    data_help = "the JSONL or a folder of coco_pope_<category>.json"
+    data_options = (DataOption("images", "image folder (default: images/ or val2014/ beside the data)"),)
+    bundled = BUNDLED_SETS
     predictions_format = 'JSONL rows {"question_id", "text"} (LLaVA\'s answers file)'
     rules = POPE_RULES
+
+    @staticmethod
+    def prompt(text: str) -> str:
+        """LLaVA-1.5's short-answer prompt, unless the file's question already carries the instruction."""
+        return text if SHORT_ANSWER_PROMPT in text else short_answer_prompt(text)
 
     def load(self, data: Path, limit: int | None = None, images: str | None = None, **_: Any) -> list[Item]:
         if data.is_file():
@@ -133,7 +143,7 @@ class POPETask(Task):
                 category = file_category or row.get("category") or "all"
                 if not isinstance(category, str):
                     raise DataError(f"{path}, line {lineno}: category {category!r} is not text")
-                prompt = text if SHORT_ANSWER_PROMPT in text else short_answer_prompt(text)
+                prompt = self.prompt(text)
                 img = image_dir / image
                 items.append(
                     Item(

@@ -701,7 +701,7 @@ class Evaluation:
     def load(self) -> None:
         o, model = self.options, self.model
         task = get_task(self.task_arg) if isinstance(self.task_arg, str) else self.task_arg
-        text_task = getattr(task, "kind", None) is not None  # a long-context text task (eval/longtext.py)
+        text_task = task.modality == "text"  # a long-context text task (eval/longtext.py)
         check_model(model, text_task)
         task.rule(o.rules)  # the scoring rule (recorded in scores["rules"]); an unknown name fails here
         budget = parse_budget(o.budget)
@@ -722,7 +722,7 @@ class Evaluation:
             )
         method_config = check_method(o.method, budget)
         data_options = {k: v for k, v in (o.data_options or {}).items() if v is not None}
-        data_path = resolve_data(self.data_arg)
+        data_path = resolve_data(self.data_arg, task)
         self.task, self.budget = task, budget
         self.max_new = o.max_new_tokens or task.max_new_tokens
         self.run_config = RunConfig(
@@ -914,7 +914,7 @@ def score_file(task: str, data: str | Path, predictions_file: str | Path, out: s
     _check_count("--limit", limit)
     task_obj = get_task(task)
     task_obj.rule(rules)  # an unknown scoring rule fails before the data are read
-    data_path = resolve_data(data)
+    data_path = resolve_data(data, task_obj)
     data_options = {k: v for k, v in (data_options or {}).items() if v is not None}
     items = task_obj.load(data_path, limit=limit, **data_options)
     preds = task_obj.read_predictions(Path(predictions_file), items)

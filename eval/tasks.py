@@ -1,5 +1,11 @@
-"""What every benchmark provides to the runner: items (an image, a prompt, the ground truth), a scorer,
-and the readers/writers of the official prediction formats. The runner is generic over these."""
+"""What every benchmark provides to the runner, and the registry of tasks.
+
+A task is one file (eval/vqa.py, eval/pope.py, ...) holding one `Task` subclass that declares everything
+the command line, `mm-oval score`, the demo and the runner need to know about it: its name and labels, the
+data options its loader reads (each becomes a flag of `mm-oval eval` / `score` / `sweep`), the bundled dev
+sets `--data bundled` / `bundled576` find, its prompt, its scoring rules and scorer, and the readers/writers
+of its official prediction formats. The runner is generic over these. Adding a task is that file, one line
+in `TASKS` below, and its data."""
 
 from __future__ import annotations
 
@@ -14,6 +20,9 @@ from PIL import Image
 
 from ..errors import ConfigError, DataError
 from ..zoo import bundled576_data_dir, bundled_data_dir
+
+# the bundled dev sets `--data` can name, and the package-data folder each is (see `Task.bundled`)
+BUNDLED_SETS: dict[str, Callable[[], Path]] = {"bundled": bundled_data_dir, "bundled576": bundled576_data_dir}
 
 
 @dataclass
@@ -55,15 +64,46 @@ class Rule:
         return f"{self.name} ({self.repository} @ {self.commit[:10]}, {self.file})"
 
 
+@dataclass(frozen=True)
+class DataOption:
+    """A file or folder a task's loader reads besides --data. `name` is the keyword of `Task.load` and the
+    key recorded in run.json's data_options; the command line spells it `--name` with dashes. Tasks that
+    read the same option (VQAv2's and TextVQA's --questions) share the flag, and its help lists each."""
+
+    name: str
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
 class Task(ABC):
-    name: ClassVar[str]
+    """One benchmark. Subclasses declare the class attributes below and implement the loader and scorer."""
+
+    name: ClassVar[str]  # what --task names, and the key in `TASKS`
+    title: ClassVar[str]  # the benchmark's own spelling, in help texts ("VQAv2")
+    metric_label: ClassVar[str]  # the primary score's column header in tables ("VQAv2 acc")
+    # "image": an image and a question per item (a LLaVA-style model); "text": a context read before the
+    # question, no image (a plain language model; eval/longtext.py)
+    modality: ClassVar[str] = "image"
     # short answers: greedy decoding stops at EOS long before this; it only bounds runaway outputs
     max_new_tokens: ClassVar[int] = 16
     primary_metric: ClassVar[str]
+    # what --data points at for this task (for the help text)
+    data_help: ClassVar[str] = ""
+    # the options `load` reads besides --data, each a command-line flag (see DataOption)
+    data_options: ClassVar[tuple[DataOption, ...]] = ()
+    # the bundled dev sets this task has: `--data NAME` -> the function finding their folder (package data)
+    bundled: ClassVar[dict[str, Callable[[], Path]]] = {}
     # predictions-file formats `mm-oval score` reads for this task (for the help text)
     predictions_format: ClassVar[str] = ""
     # the scoring rules this task offers, the default first
     rules: ClassVar[tuple[Rule, ...]]
+    # the prompt (the text inside the model's chat template), called by `load` per item with the task's own
+    # fields (a question; MMBench: question, hint, options); where the zoo's training data use the same
+    # prompt it comes from mm_oval.prompts, defined once for both
+    prompt: ClassVar[Callable[..., str]]
 
     @abstractmethod
     def load(self, data: Path, limit: int | None = None, **paths: Any) -> list[Item]:
@@ -102,6 +142,7 @@ class Task(ABC):
         return None if value is None else float(value)
 
 
+# the registry: task name -> "module:class" (imported when the task is used)
 TASKS: dict[str, str] = {
     "mmbench": "mm_oval.eval.mmbench:MMBenchTask",
     "vqav2": "mm_oval.eval.vqa:VQAv2Task",
@@ -124,12 +165,25 @@ def get_task(name: str) -> Task:
     return getattr(importlib.import_module(module), cls)()
 
 
-def resolve_data(data: str | Path) -> Path:
-    """`bundled` -> the bundled synthetic dev sets, `bundled576` -> the 576-token ones; anything else must exist."""
-    if str(data) == "bundled":
-        return bundled_data_dir()
-    if str(data) == "bundled576":
-        return bundled576_data_dir()
+def all_tasks() -> list[Task]:
+    """Every registered task, in registry order (what the command line's help texts list)."""
+    return [get_task(name) for name in TASKS]
+
+
+def resolve_data(data: str | Path, task: Task | None = None) -> Path:
+    """`bundled` -> the bundled synthetic dev sets, `bundled576` -> the 576-token ones (with a `task`: the
+    sets that task declares in `Task.bundled`); anything else must exist."""
+    name = str(data)
+    if task is not None and name in task.bundled:
+        return task.bundled[name]()
+    if task is not None and (name in BUNDLED_SETS or any(name in t.bundled for t in all_tasks())):
+        has = ", ".join(task.bundled) or "none"
+        raise DataError(
+            f"{task.name} has no bundled dev set {name!r} (its bundled sets: {has}); pass --data the path of "
+            f"its data ({task.data_help})"
+        )
+    if name in BUNDLED_SETS:
+        return BUNDLED_SETS[name]()
     path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"data path not found: {path}")

@@ -23,7 +23,7 @@ from ..errors import DataError
 from ..files import atomic_write_json
 from ..prompts import load_image, short_answer_prompt
 from .files import read_json
-from .tasks import Item, Rule, Task, find_one
+from .tasks import DataOption, Item, Rule, Task, find_one
 from .vqa import (  # noqa: F401  (the EvalAI processor is TextVQA's normaliser; re-exported here)
     EVALAI_COMMA_STRIP,
     evalai_normalize,
@@ -60,9 +60,27 @@ def textvqa_accuracy(prediction: str, raw_answers: list[str]) -> float:
 
 class TextVQATask(Task):
     name = "textvqa"
+    title = "TextVQA"
+    metric_label = "TextVQA acc"
     primary_metric = "accuracy"
+    data_help = "the JSON"
+    data_options = (
+        DataOption("questions", "questions file (overrides the search in --data)"),
+        DataOption(
+            "images", "image folder (default: train_images/, images/ or train_val_images/ beside the data)"
+        ),
+        DataOption("ocr", "Rosetta OCR JSON; adds LLaVA's 'Reference OCR token:' line"),
+    )
     predictions_format = 'JSON list [{"question_id", "answer"}]'
     rules = TEXTVQA_RULES
+
+    @staticmethod
+    def prompt(question: str, ocr_tokens: list[str] | None = None) -> str:
+        """LLaVA-1.5's TextVQA prompt: the question, with OCR tokens (when --ocr is given) the line
+        "Reference OCR token: a, b, ...", then the short-answer instruction."""
+        if ocr_tokens is not None:
+            question += "\nReference OCR token: " + ", ".join(ocr_tokens)
+        return short_answer_prompt(question)
 
     def load(
         self,
@@ -124,11 +142,7 @@ class TextVQATask(Task):
             if key in seen:
                 raise DataError(f"{path}, data[{i}]: question_id {qid} repeats data[{seen[key]}]")
             seen[key] = i
-            prompt = question
-            if ocr:
-                # LLaVA-1.5's TextVQA prompt with OCR tokens
-                prompt += "\nReference OCR token: " + ", ".join(ocr_tokens.get(str(image_id), []))
-            prompt = short_answer_prompt(prompt)
+            prompt = self.prompt(question, ocr_tokens.get(str(image_id), []) if ocr else None)
             img = image_dir / f"{image_id}.jpg"
             if not img.exists() and (image_dir / f"{image_id}.png").exists():
                 img = image_dir / f"{image_id}.png"

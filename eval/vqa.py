@@ -46,7 +46,7 @@ from ..errors import ConfigError, DataError
 from ..files import atomic_write_json
 from ..prompts import load_image, short_answer_prompt
 from .files import read_json
-from .tasks import Item, Rule, Task, find_one
+from .tasks import BUNDLED_SETS, DataOption, Item, Rule, Task, find_one
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def _label(ann: dict, key: str, where: str) -> str | None:
     """An annotation's question_type / answer_type: a string, or absent (then not broken down)."""
     value = ann.get(key)
     if value is not None and not isinstance(value, str):
-        raise DataError(f"{where}: {key} must be a string such as \"what color\", got {value!r}")
+        raise DataError(f'{where}: {key} must be a string such as "what color", got {value!r}')
     return value
 
 
@@ -343,9 +343,21 @@ def _list_in(blob: Any, key: str, path: Path, what: str) -> list:
 
 class VQAv2Task(Task):
     name = "vqav2"
+    title = "VQAv2"
+    metric_label = "VQAv2 acc"
     primary_metric = "overall"
+    data_help = "folder with *questions*.json, *annotations*.json and the images"
+    data_options = (
+        DataOption("questions", "questions file (overrides the search in --data)"),
+        DataOption("annotations", "annotations file (overrides the search in --data)"),
+        DataOption("images", "image folder (default: images/, val2014/ or test2015/ beside the data)"),
+        DataOption("image_map", "JSON {image_id: file name} instead of COCO file names"),
+    )
+    bundled = BUNDLED_SETS
     predictions_format = 'JSON list [{"question_id", "answer"}] (the official results format)'
     rules = VQA_RULES
+    # LLaVA-1.5's short-answer prompt: the question, then "Answer the question using a single word or phrase."
+    prompt = staticmethod(short_answer_prompt)
 
     def load(
         self,
@@ -398,7 +410,9 @@ class VQAv2Task(Task):
             seen[qid] = i
             if qid not in by_qid:
                 raise DataError(f"{where}: question_id {qid} is not in {q_path}")
-            rows.append((qid, answers, _label(ann, "question_type", where), _label(ann, "answer_type", where)))
+            rows.append(
+                (qid, answers, _label(ann, "question_type", where), _label(ann, "answer_type", where))
+            )
         unannotated = len(by_qid) - len(seen)
         self.load_counts = {
             "num_questions_in_file": len(by_qid),
@@ -424,7 +438,7 @@ class VQAv2Task(Task):
             items.append(
                 Item(
                     id=str(qid),
-                    prompt=short_answer_prompt(question),
+                    prompt=self.prompt(question),
                     image=_image_loader(path),
                     meta=meta,
                     group=str(image_id),

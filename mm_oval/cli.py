@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mm_oval.demo", "run the full-cache and compressed evaluations of the bundled tiny LLaVA"),
     "eval": (
         "mm_oval.eval.cli_eval",
-        "evaluate a model (optionally wrapped) on MMBench / VQAv2 / TextVQA / POPE",
+        "evaluate a model (optionally wrapped) on a benchmark task (`mm-oval eval --help` lists them)",
     ),
     "score": ("mm_oval.eval.cli_score", "score an existing predictions file with the official rules"),
     "sweep": ("mm_oval.eval.cli_sweep", "evaluate a grid of methods x budgets; write a table and a plot"),

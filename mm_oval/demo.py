@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .eval.runner import check_method, evaluate
-from .eval.tasks import get_task
+from .eval.tasks import get_task, resolve_data
 from .modelfiles import load_model
 
 log = logging.getLogger(__name__)
@@ -32,13 +32,6 @@ TASKS = BENCHES["576"]["tasks"]
 # the 64-token model: the usual 4 sinks + 16 recent tokens would pin a third of its image tokens whatever the
 # method; both benchmarks keep the 3 template tokens before the image as sinks and no recent window
 METHOD_OPTIONS = "sink_tokens=3,recent_tokens=0"
-LABELS = {
-    "vqav2": "VQAv2 acc",
-    "mmbench": "MMBench circular",
-    "pope": "POPE F1",
-    "textvqa": "TextVQA acc",
-    "objlist": "object list F1",
-}
 
 
 def _spec(name: str) -> str:
@@ -93,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tasks",
         default=None,
-        help="comma-separated tasks (default: vqav2,pope,mmbench and, at 576 tokens, objlist)",
+        help="comma-separated tasks with a bundled dev set (default: "
+        + "; ".join(f"--bench {k}: {','.join(v['tasks'])}" for k, v in BENCHES.items())
+        + ")",
     )
     parser.add_argument(
         "--limit",
@@ -117,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     chosen = args.methods if args.methods is not None else ",".join(bench["methods"])
     methods = ["full", *[m for m in chosen.split(",") if m and m != "full"]]
     for task in tasks:  # every task and method is checked before the model loads and the first runs
-        get_task(task)
+        resolve_data(bench["data"], get_task(task))  # the task has this benchmark's bundled dev set
     for name in methods[1:]:
         check_method(_spec(name), args.budget)
     model, processor = load_model(bench["model"])
@@ -151,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(table: dict[str, dict[str, float]], tasks: list[str]) -> str:
-    head = "| method | " + " | ".join(LABELS.get(t, t) for t in tasks) + " |"
+    head = "| method | " + " | ".join(get_task(t).metric_label for t in tasks) + " |"
     lines = [head, "|" + "---|" * (len(tasks) + 1)]
     full = table.get("full", {})
     for name, row in table.items():

@@ -1,6 +1,8 @@
 """What a LLaVA request is made of, defined once for the harness, the chat, the trainers and the zoo:
 LLaVA-1.5's evaluation prompts (the short-answer instruction, the MMBench prompt and its NA rule), the chat
-template around them, images loaded from a path, and the processor's tensors moved to the model.
+template around them, images loaded from a path, and the processor's tensors moved to the model. Each
+task declares which prompt it uses (`Task.prompt` in its own file under eval/); the prompts are defined here
+because the bundled models' training data (mm_oval.zoo) use the same ones.
 
 The MMBench prompt is LLaVA-1.5's (`model_vqa_mmbench.py --single-pred-prompt`): the hint + "\\n" + the
 question when the hint is present, one "\\nA. option" line per option, then "\\nAnswer with the option's

@@ -249,7 +249,7 @@ def load_router2(path: str | Path, model: Any = None) -> Router2Net:
 # (float bounds), over compact Quest on 4x4 tiles (`image_tile=4`, what fits a 25% bytes budget), and over
 # compact OVAL on 4x4 tiles (`image_tile=4`), rank 8 and rank 2. The default is the last: it was trained on
 # the default pages (4x4 tiles) over compact OVAL rank 2, the base that scores best in the bytes it reads
-# (README, "Retrieval"); weights trained on 2x2 tiles ("bundled576") want `image_tile=2`.
+# (docs/results/bundled576.md, "Retrieval at equal bytes"); weights trained on 2x2 tiles ("bundled576") want `image_tile=2`.
 DEFAULT_WEIGHTS = "bundled576-oval4c-r2"
 BUNDLED = {
     "bundled576": "tiny_llava576_router2",
