@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+import mm_oval
 from mm_oval.chat import Chat
 from mm_oval.cli import main
 from mm_oval.cli_chat import run
@@ -55,7 +56,7 @@ def test_conversation_says_what_the_harness_says(tiny_random_llava):
     for q in QUESTIONS:
         got_full.append(full.ask(q))
         got_snap.append(snap.ask(q))
-    assert not hasattr(model, "_mm_oval")
+    assert not mm_oval.is_wrapped(model)
     assert got_full == _harness(model, processor, image, "full", None, QUESTIONS, 5)
     assert got_snap == _harness(model, processor, image, "snapkv", 0.25, QUESTIONS, 5)
     assert full.history == list(zip(QUESTIONS, got_full))
@@ -220,7 +221,7 @@ def test_a_failed_turn_starts_the_conversation_over(tiny_random_llava):
             chat.ask(QUESTIONS[1])
     finally:
         hook.remove()
-    assert chat.turns == [] and not hasattr(model, "_mm_oval")
+    assert chat.turns == [] and not mm_oval.is_wrapped(model)
     with pytest.raises(ConfigError, match="ask a question first"):
         chat.stats()
     assert chat.ask(QUESTIONS[0]) == first  # a fresh first turn, image included

@@ -212,15 +212,18 @@ def test_unwrap_restores_the_plain_model(model_and_processor):
     cls_generate = type(model).generate
     lm = model.model.language_model
     before = lm.config._attn_implementation
+    attrs = set(vars(model))
+    assert not mm_oval.is_wrapped(model)
     mm_oval.wrap(model, method="h2o", budget=0.5)
+    assert mm_oval.is_wrapped(model)
     assert lm.config._attn_implementation == f"mm_oval_{before}"
     assert model.model.vision_tower.config._attn_implementation == before  # the vision tower is untouched
     mm_oval.wrap(model, method="knorm", budget=0.5)  # re-wrapping replaces the configuration
-    assert model._mm_oval.config.method == "knorm"
+    assert wrapper.wrap_info(model).config.method == "knorm"
     mm_oval.unwrap(model)
     assert lm.config._attn_implementation == before
     assert model.generate.__func__ is cls_generate
-    assert not hasattr(model, "_mm_oval")
+    assert not mm_oval.is_wrapped(model) and set(vars(model)) == attrs  # nothing left on the model
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
@@ -241,7 +244,7 @@ def test_clear_errors(model_and_processor):
         mm_oval.wrap(model, method="nope")
     with pytest.raises(ConfigError, match="unknown OvalConfig field"):
         mm_oval.wrap(model, budgett=0.5)
-    assert not hasattr(model, "_mm_oval")  # a failed wrap leaves the model as it was
+    assert not mm_oval.is_wrapped(model)  # a failed wrap leaves the model as it was
     mm_oval.wrap(model, method="knorm", budget=0.5)
     inputs = dict(_batch(processor, 1))
     inputs["pixel_values"] = inputs["pixel_values"].repeat(2, 1, 1, 1)  # two images, one <image> in the text
@@ -267,11 +270,13 @@ def test_stats_describe_the_last_request(model_and_processor):
 
 
 def test_a_request_checks_its_images_and_computes_its_stats_once(model_and_processor, monkeypatch):
-    """generate, prefill and a plain forward each check the images against the prompt once and compute
-    the stats once; the request's state is in the cache's typed fields, nothing is left on the model."""
+    """generate, prefill, a plain forward and a request begun by new_request (then a forward, or generate)
+    each check the images against the prompt once and compute the stats once; the request's state is in
+    the cache's typed fields, nothing is left on the model."""
     model, processor = model_and_processor
     inputs = _batch(processor, 2)
     mm_oval.wrap(model, method="snapkv", budget=0.25)
+    attrs = set(vars(model))
     calls = {"images": 0, "stats": 0}
     check, stats = wrapper._geometry, wrapper.cache_stats
 
@@ -295,9 +300,16 @@ def test_a_request_checks_its_images_and_computes_its_stats_once(model_and_proce
     with torch.no_grad():
         model(**inputs, cache=cache, use_cache=True)
     assert calls == {"images": 3, "stats": 3}
-    assert not [
-        a for a in vars(model) if a.startswith("_mm_oval") and a not in ("_mm_oval", "_mm_oval_generate")
-    ]
+    cache = wrapper.new_request(model, **inputs)
+    assert calls == {"images": 4, "stats": 3} and cache.request.started is not None
+    with torch.no_grad():
+        model(**inputs, cache=cache, use_cache=True)
+    assert calls == {"images": 4, "stats": 4}
+    model.generate(**inputs, cache=wrapper.new_request(model, **inputs), max_new_tokens=2, do_sample=False)
+    assert calls == {"images": 5, "stats": 5}
+    with pytest.raises(ConfigError, match="already holds a request"):
+        wrapper.new_request(model, cache=cache, **inputs)
+    assert set(vars(model)) == attrs  # nothing left on the model
 
 
 def test_the_wrapper_keeps_only_what_the_configured_policies_read(model_and_processor):
