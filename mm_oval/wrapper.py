@@ -272,7 +272,11 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
     kwargs["cache"] = cache
     cache.request.run_by_generate = True
     try:
-        if isinstance(input_ids, torch.Tensor) and cache.get_seq_length() == 0 and cache.request.started is None:
+        if (
+            isinstance(input_ids, torch.Tensor)
+            and cache.get_seq_length() == 0
+            and cache.request.started is None
+        ):
             _begin_request(model, cache, input_ids, kwargs)  # new_request's beginning (unless it ran)
         return model._mm_oval_generate(*args, **kwargs)
     finally:
@@ -352,9 +356,13 @@ def make_policies(
     subclass that records what it sees) is used as it is, and the configuration must name a method of its
     kind (the stats report the configuration's names)."""
     if eviction is not None and config.method == "full":
-        raise ConfigError("an eviction policy was given but the configuration's method is 'full': name its method")
+        raise ConfigError(
+            "an eviction policy was given but the configuration's method is 'full': name its method"
+        )
     if retrieval is not None and not config.retrieval:
-        raise ConfigError("a retrieval policy was given but the configuration has no retrieval: name its method")
+        raise ConfigError(
+            "a retrieval policy was given but the configuration has no retrieval: name its method"
+        )
     built = []
     if eviction is None and config.method != "full":
         eviction = make_eviction(config.method, **config.method_options)

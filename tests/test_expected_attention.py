@@ -371,7 +371,12 @@ def test_it_compresses_right_after_the_image_and_answers_on_a_copy(tiny_random_l
     try:
         probe = _Probe(n_future_positions=8)
         mm_oval.wrap(
-            model, method="expected_attention", budget=0.25, sink_tokens=0, recent_tokens=0, eviction_policy=probe
+            model,
+            method="expected_attention",
+            budget=0.25,
+            sink_tokens=0,
+            recent_tokens=0,
+            eviction_policy=probe,
         )
         with torch.inference_mode():
             cache = prefill(model, **head, pixel_values=enc["pixel_values"])
