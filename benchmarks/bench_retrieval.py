@@ -72,6 +72,7 @@ from mm_oval.policies.base import (
 from mm_oval.policies.router2 import predict_ahead_hit_rate
 from mm_oval.stats import get_stats
 from mm_oval.training.router import hidden_and_embeds_hooks, hooked, zoo_prompts
+from mm_oval.wrapper import wrap_info
 
 BUDGETS = (0.10, 0.25, 0.50)
 BYTES_BUDGETS = (0.05, 0.10, 0.25, 0.50)  # fractions of dense attention's bytes per decode step
@@ -391,7 +392,7 @@ def cost(model, processor, prompts, methods, new_tokens: int, repeats: int) -> d
                 cfg = OvalConfig(retrieval=kind, retrieval_options=opts, read_budget=0.25)
             wrapped = mm_oval.wrap(model, cfg)
             spent = [0.0]
-            pol = wrapped._mm_oval.retrieval
+            pol = wrap_info(wrapped).retrieval
             if pol is not None:
                 inner = pol.select
 

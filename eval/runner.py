@@ -44,7 +44,7 @@ from ..geometry import SUPPORTED_CLASSES, TEXT_FAMILIES, is_text_only
 from ..modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
 from ..prompts import COMPRESS_AT, chat_prompt, to_model
 from ..stats import get_stats
-from ..wrapper import new_cache, prefill, unwrap, wrap
+from ..wrapper import is_wrapped, new_cache, new_request, prefill, unwrap, wrap
 from .files import JsonlAppender, iter_records, read_json
 from .tasks import Item, Task, get_task, resolve_data
 from .textgen import generate_text, generate_text_conversation
@@ -217,7 +217,7 @@ def resolved_method(config: OvalConfig | None) -> dict[str, Any]:
 
 def apply_method(model: Any, method: str, budget: float | int | None) -> bool:
     """Wrap `model` in place for a method spec; return whether it was wrapped (to unwrap afterwards)."""
-    if getattr(model, "_mm_oval", None) is not None:
+    if is_wrapped(model):
         raise ConfigError("the model is already wrapped: pass the plain model and a method spec instead")
     config = check_method(method, budget)
     if config is None:
@@ -230,8 +230,8 @@ def remove_method(model: Any) -> None:
     unwrap(model)
 
 
-def _kv_stats(model: Any) -> dict[str, Any] | None:
-    if getattr(model, "_mm_oval", None) is None:
+def kv_stats(model: Any) -> dict[str, Any] | None:
+    if not is_wrapped(model):
         return None
     try:
         s = get_stats(model)
@@ -286,12 +286,12 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
 # ---------------------------------------------------------------- generation
 
 
-def _model_inputs(processor: Any, model: Any, images: list, texts: list[str]) -> dict[str, torch.Tensor]:
+def model_inputs(processor: Any, model: Any, images: list, texts: list[str]) -> dict[str, torch.Tensor]:
     processor.tokenizer.padding_side = "left"
     return to_model(processor(images=images, text=texts, return_tensors="pt", padding=True), model)
 
 
-def _gen_kwargs(processor: Any, max_new_tokens: int) -> dict[str, Any]:
+def gen_kwargs(processor: Any, max_new_tokens: int) -> dict[str, Any]:
     tok = processor.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return {"max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1, "pad_token_id": pad}
@@ -302,14 +302,23 @@ def generate_batch(
 ) -> list[tuple[str, int]]:
     """Greedy answers for a batch (left padding); (text, number of new tokens) per item."""
     images = [it.image() for it in items]
-    inputs = _model_inputs(processor, model, images, [chat_prompt(processor, it.prompt) for it in items])
-    kw = _gen_kwargs(processor, max_new_tokens)
+    inputs = model_inputs(processor, model, images, [chat_prompt(processor, it.prompt) for it in items])
+    kw = gen_kwargs(processor, max_new_tokens)
     with torch.inference_mode():
         seq = model.generate(**inputs, **kw)
-    return _decode_answers(processor.tokenizer, seq[:, inputs["input_ids"].shape[1] :])
+    return decode_answers(processor.tokenizer, seq[:, inputs["input_ids"].shape[1] :])
 
 
-def _decode_answers(tok: Any, new: torch.Tensor) -> list[tuple[str, int]]:
+def prompt_cache(model: Any, **inputs: Any) -> Any:
+    """The cache a request's prompt (`inputs`) runs through: for a wrapped model, a fresh one with the request
+    begun (`mm_oval.wrapper.new_request`: the images checked, the method's own pass over the prompt run);
+    for the plain model, an empty DynamicCache. Then `model(**inputs, cache=cache, use_cache=True)`."""
+    if is_wrapped(model):
+        return new_request(model, **inputs)
+    return DynamicCache(config=model.config.get_text_config())
+
+
+def decode_answers(tok: Any, new: torch.Tensor) -> list[tuple[str, int]]:
     """(answer text, number of generated tokens up to and including the first EOS) per row."""
     texts = tok.batch_decode(new, skip_special_tokens=True)
     eos = tok.eos_token_id
@@ -330,10 +339,10 @@ def generate_image_first(
     length so no padding falls between the two parts; the result does not depend on the grouping. Each
     group is one request: a wrapped model's KV figures of every one are appended to `kv_rows`."""
     tok = processor.tokenizer
-    kw = _gen_kwargs(processor, max_new_tokens)
-    wrapped = getattr(model, "_mm_oval", None) is not None
+    kw = gen_kwargs(processor, max_new_tokens)
+    wrapped = is_wrapped(model)
     encoded = [
-        _model_inputs(processor, model, [it.image()], [chat_prompt(processor, it.prompt)]) for it in items
+        model_inputs(processor, model, [it.image()], [chat_prompt(processor, it.prompt)]) for it in items
     ]
     groups: dict[int, list[int]] = defaultdict(list)
     for i, enc in enumerate(encoded):
@@ -364,10 +373,10 @@ def generate_image_first(
                 cache = DynamicCache(config=model.config.get_text_config())
                 model(**head, cache=cache, use_cache=True)
             seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
-        stats = _kv_stats(model) if kv_rows is not None else None
+        stats = kv_stats(model) if kv_rows is not None else None
         if stats:
             kv_rows.append(stats)
-        for i, answer in zip(idx, _decode_answers(tok, seq[:, ids.shape[1] :])):
+        for i, answer in zip(idx, decode_answers(tok, seq[:, ids.shape[1] :])):
             out[i] = answer
     return out  # type: ignore[return-value]
 
@@ -381,8 +390,8 @@ def generate_conversation(
     as token ids: each answer enters the next turn exactly as generated. `reuse_cache=False` re-prefills
     the whole conversation every turn instead (the reference the cached path must equal)."""
     tok = processor.tokenizer
-    kw = _gen_kwargs(processor, max_new_tokens)
-    if getattr(model, "_mm_oval", None) is not None:
+    kw = gen_kwargs(processor, max_new_tokens)
+    if is_wrapped(model):
         cache = new_cache(model)
     else:
         cache = DynamicCache(config=model.config.get_text_config())
@@ -392,7 +401,7 @@ def generate_conversation(
     out = []
     for t, it in enumerate(items):
         if t == 0:
-            inputs = _model_inputs(processor, model, [it.image()], [chat_prompt(processor, it.prompt)])
+            inputs = model_inputs(processor, model, [it.image()], [chat_prompt(processor, it.prompt)])
             pixel_values = inputs["pixel_values"]
         else:
             # the template's text after the previous answer: end of turn, the next question, the assistant tag
@@ -801,7 +810,7 @@ class Evaluation:
         if flat and flat[0].context is not None:  # a long-context text task
 
             def record() -> None:
-                stats = _kv_stats(model)
+                stats = kv_stats(model)
                 if stats:
                     kv_rows.append(stats)
 
@@ -816,7 +825,7 @@ class Evaluation:
         else:
             answers = generate_batch(model, processor, flat, self.max_new)
         if not kv_rows:
-            stats = _kv_stats(model)
+            stats = kv_stats(model)
             kv_rows = [stats] if stats else []
         new = [(t, it, a) for t, (it, a) in enumerate(zip(flat, answers)) if it.id not in records]
         out = []

@@ -23,14 +23,12 @@ from typing import Any
 
 import torch
 
-from .cache import PagedMultimodalCache
 from .config import OvalConfig
 from .errors import ConfigError
-from .geometry import FIXED, family_of, grid_shape, tokens_per_view
+from .geometry import FIXED, family_of, grid_shape, language_model, tokens_per_view
 from .prompts import chat_prompt, load_image, to_model
-from .registry import make_eviction, make_retrieval
 from .stats import cache_stats
-from .wrapper import _language_model, unwrap, wrap
+from .wrapper import is_wrapped, make_policies, new_cache, wrap_info, wrapped
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +135,10 @@ class Chat:
     `"full:retrieval=oval,read_budget=0.25"`; `config` an `OvalConfig` instead). The first `ask` prefills
     the images and the question and compresses the cache once; later questions reuse it. The model is
     wrapped for the duration of each `ask` and unwrapped afterwards unless it was wrapped already, so
-    several `Chat`s (e.g. full cache and compressed) can share one model. `record_reads=True` records
+    several `Chat`s (e.g. full cache and compressed) can share one model: a model wrapped with another
+    configuration is wrapped with this conversation's for the `ask` and has its own wrap back after. The
+    conversation's policies are built once, here (those of the model's wrap when it is wrapped with the
+    same configuration), and serve every turn. `record_reads=True` records
     which image patches decode-time retrieval read (`page_reads`); `record_steps=True` also keeps what
     each decode step read (`page_reads_per_step`)."""
 
@@ -155,7 +156,7 @@ class Chat:
         record_reads: bool = False,
         record_steps: bool = False,
     ):
-        _language_model(model)  # a clear error for a model that is not LLaVA-style
+        language_model(model)  # a clear error for a model that is not LLaVA-style
         if image is not None and images is not None:
             raise ConfigError("pass either image= or images=, not both")
         if max_new_tokens < 1:
@@ -169,17 +170,11 @@ class Chat:
         self.record_reads = record_reads or record_steps
         self.record_steps = record_steps
         self.tokens_per_image = tokens_per_view(model)
-        state = getattr(model, "_mm_oval", None)
-        if state is not None and state.config == self.config:
-            self._eviction, self._retrieval = state.eviction, state.retrieval
-        else:
-            cfg = self.config
-            self._eviction = make_eviction(cfg.method, **cfg.method_options) if cfg.method != "full" else None
-            self._retrieval = (
-                make_retrieval(cfg.retrieval, **cfg.retrieval_options) if cfg.retrieval else None
-            )
-            for policy in (self._eviction, self._retrieval):  # checked against the model, as wrap does
-                getattr(policy, "bind", lambda m: None)(model)
+        info = wrap_info(model) if is_wrapped(model) else None
+        if info is not None and info.config == self.config:
+            self._eviction, self._retrieval = info.eviction, info.retrieval
+        else:  # built and checked against the model as wrap builds them, once for the conversation
+            self._eviction, self._retrieval = make_policies(model, self.config)
         self.max_positions = _max_positions(model)
         self.reset()
 
@@ -211,11 +206,16 @@ class Chat:
         n_in = int(inputs["input_ids"].shape[1])
         max_new = self._room_for_answer(n_in)  # refused here: the conversation is left as it was
         if self._cache is None:
-            self._cache = self._new_cache()
-        before = int(self._cache.get_seq_length())  # tokens already in the cache
+            self._new_recorder()
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        before = 0
         try:
             with self._wrapped(), torch.inference_mode():
+                if self._cache is None:  # the first turn: a cache over this wrap's policies
+                    self._cache = new_cache(self.model)
+                    if self._recorder is not None:
+                        self._recorder.cache = self._cache
+                before = int(self._cache.get_seq_length())  # tokens already in the cache
                 seq = self.model.generate(
                     **inputs,
                     cache=self._cache,
@@ -374,31 +374,34 @@ class Chat:
             raise ConfigError("nothing is cached yet: ask a question first")
         return self._cache
 
-    def _new_cache(self) -> Any:
-        retrieval = self._retrieval
-        if retrieval is not None and self.record_reads:
-            retrieval = self._recorder = _ReadRecorder(retrieval)
+    def _new_recorder(self) -> None:
+        """A fresh recorder of this conversation's page reads, standing for its retrieval policy (when
+        reads are recorded and there is retrieval)."""
+        self._recorder = None
+        if self._retrieval is not None and self.record_reads:
+            self._recorder = _ReadRecorder(self._retrieval)
             if self.record_steps:
                 self._recorder.per_step = {}
             if family_of(self.model) == FIXED:
                 self._recorder.grid = self.grid
-        cache = PagedMultimodalCache(self.model.config.text_config, self.config, self._eviction, retrieval)
-        if self._recorder is not None:
-            self._recorder.cache = cache
-        return cache
 
     @contextlib.contextmanager
     def _wrapped(self) -> Iterator[None]:
-        """The model wrapped for one `ask` (its attention function and hooks serve this conversation's
-        own cache), unless it is wrapped already."""
-        if getattr(self.model, "_mm_oval", None) is not None:
+        """The model wrapped with this conversation's configuration and policies for one `ask` (the
+        recorder standing for the retrieval policy when reads are recorded), and as it was afterwards;
+        left as it is when its wrap already serves exactly these."""
+        retrieval = self._recorder if self._recorder is not None else self._retrieval
+        info = wrap_info(self.model) if is_wrapped(self.model) else None
+        if (
+            info is not None
+            and info.config == self.config
+            and info.eviction is self._eviction
+            and info.retrieval is retrieval
+        ):
             yield
             return
-        wrap(self.model, OvalConfig())
-        try:
+        with wrapped(self.model, self.config, eviction_policy=self._eviction, retrieval_policy=retrieval):
             yield
-        finally:
-            unwrap(self.model)
 
     def _render(self, question: str, history: list[tuple[str, str]]) -> str:
         return chat_prompt(self.processor, question, history, images=len(self.images))

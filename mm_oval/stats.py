@@ -361,12 +361,11 @@ class RetrievalMonitor:
 
 def get_stats(model: Any) -> dict[str, Any]:
     """Stats of the last request served by a model wrapped with `mm_oval.wrap`."""
-    state = getattr(model, "_mm_oval", None)
-    if state is None:
-        raise ConfigError("this model is not wrapped: call mm_oval.wrap(model, ...) first")
-    if state.last_stats is None:
-        raise ConfigError("no request has run through the wrapped model yet: call model.generate(...) first")
-    return state.last_stats
+    # the wrapper owns the model's wrap state, and imports this module to compute the stats: it is asked at
+    # call time (`mm_oval.wrapper.last_stats`)
+    from .wrapper import last_stats
+
+    return last_stats(model)
 
 
 # ---- Prometheus text format -------------------------------------------------------------------------------

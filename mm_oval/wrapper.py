@@ -22,18 +22,28 @@ What wrapping changes, and `unwrap` restores:
 Prefill time covers the vision tower and projector: Hugging Face's `generate` encodes the images before the
 first forward, so the prefill clock starts when the request begins.
 
-One request, top to bottom: `generate` (or `prefill`) -> `_begin_request` -> the prefill forward
-(`_pre_forward` prepares the cache; each layer's attention evicts and pages; `_post_forward`) -> one
-forward per decode step (`_pre_forward`, each layer's `attend`, `_post_forward`) -> the stats, once.
+One request, top to bottom: `generate` (or `prefill`, or a caller's own forward) -> `new_request` (a cache
+over the wrap's policies, then `_begin_request`) -> the prefill forward (`_pre_forward` prepares the cache;
+each layer's attention evicts and pages; `_post_forward`) -> one forward per decode step (`_pre_forward`,
+each layer's `attend`, `_post_forward`) -> the stats, once.
+
+This module owns the model's wrap state (`WrapState`, on the model): `wrap` builds the policies once, and
+every request's cache serves exactly those (`new_cache`). Everyone else asks through the public names:
+`is_wrapped`, `wrap_info` (the configuration, the policies, the attention implementation),
+`last_stats` (what `mm_oval.stats.get_stats` returns), `new_cache` / `new_request` / `prefill` (the one
+request path: `generate`, `Chat`, the evaluation harness and the lmms-eval plugin all use it), and
+`wrapped` (a wrap for the duration of a `with` block, the model restored on exit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
 import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +69,8 @@ PREFIX = "mm_oval_"
 
 @dataclass
 class WrapState:
+    """The model's wrap state (`model._mm_oval`), read and written by this module only."""
+
     config: OvalConfig
     inner_attn: str
     eviction: Any
@@ -66,6 +78,19 @@ class WrapState:
     hooks: list = field(default_factory=list)
     last_stats: dict | None = None
     rope: Rope | None = None  # the language model's rotary embedding, handed to eviction policies
+
+
+@dataclass(frozen=True)
+class WrapInfo:
+    """What a wrapped model serves its requests with (`wrap_info(model)`): its configuration, the eviction
+    and retrieval policies `wrap` built (None for "full" / no retrieval; the very objects every request's
+    cache uses) and `attn_implementation`, the model's own attention implementation that prefill runs
+    (and `unwrap` restores)."""
+
+    config: OvalConfig
+    eviction: Any
+    retrieval: Any
+    attn_implementation: str
 
 
 def _language_model(model: Any) -> Any:
@@ -205,9 +230,31 @@ def _lm_post_hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
 
 
 def new_cache(model: Any) -> PagedMultimodalCache:
-    """A fresh cache for one request through the wrapped `model`."""
+    """An empty cache for one request through the wrapped `model`, serving the wrap's own policies (the
+    request begins when its prompt first runs through the model; `new_request` begins it at once)."""
     state: WrapState = _state(model)
     return PagedMultimodalCache(model.config.get_text_config(), state.config, state.eviction, state.retrieval)
+
+
+def new_request(model: Any, cache: PagedMultimodalCache | None = None, **inputs: Any) -> PagedMultimodalCache:
+    """Begin one request through the wrapped `model` and return its cache: a fresh one (`new_cache`), or
+    `cache`, an empty one built so. Beginning checks the images against the prompt (`input_ids` with
+    `pixel_values` and the model's other image inputs), starts the request's clock and runs the eviction
+    policy's own pass over the prompt (KVzip's). Then run the prompt through the model with that cache:
+    `model(**inputs, cache=cache, use_cache=True)` or `model.generate(**inputs, cache=cache, ...)`.
+    `generate` and `prefill` begin their requests here; so do `Chat`, the evaluation harness and the
+    lmms-eval plugin, through them or directly."""
+    if cache is None:
+        cache = new_cache(model)
+    elif not isinstance(cache, PagedMultimodalCache):
+        raise ConfigError("a wrapped model's request runs on mm-oval's cache: pass one from new_cache(model)")
+    if cache.get_seq_length() != 0 or cache.request.started is not None:
+        raise ConfigError("this cache already holds a request; build a new one (new_cache) per request")
+    input_ids = inputs.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor):
+        raise ConfigError("mm-oval needs input_ids (not inputs_embeds) to know which tokens are image tokens")
+    _begin_request(model, cache, input_ids, inputs)
+    return cache
 
 
 def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -225,8 +272,12 @@ def _generate(model: Any, *args: Any, **kwargs: Any) -> Any:
     kwargs["cache"] = cache
     cache.request.run_by_generate = True
     try:
-        if isinstance(input_ids, torch.Tensor) and cache.get_seq_length() == 0:
-            _begin_request(model, cache, input_ids, kwargs)
+        if (
+            isinstance(input_ids, torch.Tensor)
+            and cache.get_seq_length() == 0
+            and cache.request.started is None
+        ):
+            _begin_request(model, cache, input_ids, kwargs)  # new_request's beginning (unless it ran)
         return model._mm_oval_generate(*args, **kwargs)
     finally:
         cache.request.run_by_generate = False
@@ -239,12 +290,11 @@ def prefill(model: Any, **inputs: Any) -> PagedMultimodalCache:
     several questions: `model.generate(input_ids=prompt+question, attention_mask=..., cache=cache.copy())`
     (the question is not part of the compressed prefill; pass no pixel_values again). The model computes
     the logits of the last prompt position only (`logits_to_keep=1`), not of every prompt token."""
-    cache = new_cache(model)
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        inputs.setdefault("logits_to_keep", 1)
     with torch.no_grad():
-        if isinstance(inputs.get("input_ids"), torch.Tensor):
-            _begin_request(model, cache, inputs["input_ids"], inputs)
+        has_ids = isinstance(inputs.get("input_ids"), torch.Tensor)
+        cache = new_request(model, **inputs) if has_ids else new_cache(model)
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            inputs.setdefault("logits_to_keep", 1)
         model(**inputs, cache=cache, use_cache=True)  # its stats: `_post_forward`, after this prefill
     return cache
 
@@ -263,11 +313,11 @@ def _begin_request(
     _sync(input_ids)
     cache.request.started = time.perf_counter()
     cache.rope = state.rope
-    policy = state.eviction
-    if not policy_pass or policy is None or not state.config.evicts or not policy.has_request_pass:
+    policy = cache.eviction  # the wrap's own policy (new_cache), whose scores read what this pass returns
+    if not policy_pass or policy is None or not cache.config.evicts or not policy.has_request_pass:
         return  # nothing to prepare (a delegating policy answers for its scorer)
     cache.request.prepared = policy.prepare_request(
-        model, input_ids, kwargs.get("attention_mask"), pixel_values, chunk_size=state.config.chunk_size
+        model, input_ids, kwargs.get("attention_mask"), pixel_values, chunk_size=cache.config.chunk_size
     )
 
 
@@ -283,9 +333,61 @@ def _state(model: Any) -> WrapState:
     return state
 
 
-def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
+def wrap_info(model: Any) -> WrapInfo:
+    """What the wrapped `model` serves with (`WrapInfo`); a ConfigError for a model that is not wrapped."""
+    state = _state(model)
+    return WrapInfo(state.config, state.eviction, state.retrieval, state.inner_attn)
+
+
+def last_stats(model: Any) -> dict[str, Any]:
+    """Stats of the last request served by the wrapped `model` (`mm_oval.stats.get_stats`)."""
+    state = _state(model)
+    if state.last_stats is None:
+        raise ConfigError("no request has run through the wrapped model yet: call model.generate(...) first")
+    return state.last_stats
+
+
+def make_policies(
+    model: Any, config: OvalConfig, eviction: Any = None, retrieval: Any = None
+) -> tuple[Any, Any]:
+    """(eviction, retrieval): the policies a wrap of `model` with `config` serves. Each is built from the
+    configuration's method and options and checked against the model (learned parts, model-dependent
+    options: the policy's `bind`), unless given: a given policy (e.g. one made by an earlier call, or a
+    subclass that records what it sees) is used as it is, and the configuration must name a method of its
+    kind (the stats report the configuration's names)."""
+    if eviction is not None and config.method == "full":
+        raise ConfigError(
+            "an eviction policy was given but the configuration's method is 'full': name its method"
+        )
+    if retrieval is not None and not config.retrieval:
+        raise ConfigError(
+            "a retrieval policy was given but the configuration has no retrieval: name its method"
+        )
+    built = []
+    if eviction is None and config.method != "full":
+        eviction = make_eviction(config.method, **config.method_options)
+        built.append(eviction)
+    if retrieval is None and config.retrieval:
+        retrieval = make_retrieval(config.retrieval, **config.retrieval_options)
+        built.append(retrieval)
+    for policy in built:  # learned parts and model-dependent options checked against the model
+        getattr(policy, "bind", lambda m: None)(model)
+    check_policy(eviction, config.head_budget)  # head_budget="shared" needs scores comparable across heads
+    return eviction, retrieval
+
+
+def wrap(
+    model: Any,
+    config: OvalConfig | None = None,
+    *,
+    eviction_policy: Any = None,
+    retrieval_policy: Any = None,
+    **overrides: Any,
+) -> Any:
     """Wrap a LLaVA-style model in place and return it. `overrides` are OvalConfig fields
-    (e.g. `method="snapkv", budget=0.25`). Wrapping a wrapped model replaces its configuration."""
+    (e.g. `method="snapkv", budget=0.25`). The policies are built here, once (`make_policies`), or taken as
+    given (`eviction_policy=` / `retrieval_policy=`), and every request's cache serves them. Wrapping a
+    wrapped model replaces its configuration; a wrap that fails leaves the model as it was."""
     lm = _language_model(model)
     family_of(model)  # a model whose image layout mm-oval cannot read is refused here, naming what is missing
     if config is not None and not isinstance(config, OvalConfig):
@@ -293,15 +395,8 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     config = (config or OvalConfig()).replace(**overrides) if overrides else (config or OvalConfig())
     if is_text_only(model):  # a plain LM: the budgets are over its context (text pages only)
         config = config.for_text_only()
-    eviction = make_eviction(config.method, **config.method_options) if config.method != "full" else None
-    retrieval = make_retrieval(config.retrieval, **config.retrieval_options) if config.retrieval else None
-    for policy in (
-        eviction,
-        retrieval,
-    ):  # learned parts and model-dependent options checked against the model
-        getattr(policy, "bind", lambda m: None)(model)
-    check_policy(eviction, config.head_budget)  # head_budget="shared" needs scores comparable across heads
-    if getattr(model, "_mm_oval", None) is not None:
+    eviction, retrieval = make_policies(model, config, eviction_policy, retrieval_policy)
+    if is_wrapped(model):
         unwrap(model)
     inner = lm.config._attn_implementation or "eager"
     if inner.startswith(PREFIX):
@@ -309,7 +404,22 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
     state = WrapState(config, inner, eviction, retrieval)
     rotary = getattr(lm, "rotary_emb", None)
     state.rope = Rope(rotary) if rotary is not None else None
-    lm.config._attn_implementation = _register(inner)
+    _install(model, lm, state)
+    # the policies' options with their defaults spelled out (rank, summary_format, weights, ...)
+    resolved = config.resolved()
+    logger.info(
+        "wrapped %s: %s (method options %s, retrieval options %s)",
+        type(model).__name__,
+        config,
+        resolved["method_options"],
+        resolved["retrieval_options"],
+    )
+    return model
+
+
+def _install(model: Any, lm: Any, state: WrapState) -> None:
+    """Put `state`'s wrap on the (unwrapped) model: the attention implementation, `generate`, the hooks."""
+    lm.config._attn_implementation = _register(state.inner_attn)
     model._mm_oval = state
     model._mm_oval_generate = model.generate
     model.generate = types.MethodType(_generate, model)
@@ -323,16 +433,6 @@ def wrap(model: Any, config: OvalConfig | None = None, **overrides: Any) -> Any:
         attn = getattr(layer, "self_attn", None)
         if attn is not None and getattr(attn, "layer_idx", None) is not None:
             state.hooks.append(attn.register_forward_pre_hook(_attn_pre_hook, with_kwargs=True))
-    # the policies' options with their defaults spelled out (rank, summary_format, weights, ...)
-    resolved = config.resolved()
-    logger.info(
-        "wrapped %s: %s (method options %s, retrieval options %s)",
-        type(model).__name__,
-        config,
-        resolved["method_options"],
-        resolved["retrieval_options"],
-    )
-    return model
 
 
 def unwrap(model: Any) -> Any:
@@ -344,7 +444,31 @@ def unwrap(model: Any) -> Any:
     lm.config._attn_implementation = state.inner_attn
     for h in state.hooks:
         h.remove()
+    state.hooks = []
     del model.generate  # the instance attribute; the class's generate shows again
     for attr in ("_mm_oval", "_mm_oval_generate"):
         delattr(model, attr)
     return model
+
+
+@contextlib.contextmanager
+def wrapped(
+    model: Any,
+    config: OvalConfig | None = None,
+    *,
+    eviction_policy: Any = None,
+    retrieval_policy: Any = None,
+    **overrides: Any,
+) -> Iterator[Any]:
+    """`with mm_oval.wrapped(model, method="snapkv", budget=0.25) as m:` the model wrapped (as `wrap` does,
+    same arguments) inside the block; on leaving it, normally or by an exception, the model is as it was
+    before: plain again (attention implementation, `generate`, no hooks), or, if it was wrapped already,
+    wrapped again with that earlier wrap's configuration, policies and last stats."""
+    before = getattr(model, "_mm_oval", None)
+    wrap(model, config, eviction_policy=eviction_policy, retrieval_policy=retrieval_policy, **overrides)
+    try:
+        yield model
+    finally:
+        unwrap(model)
+        if before is not None:
+            _install(model, _language_model(model), before)

@@ -16,7 +16,7 @@ from mm_oval.config import OvalConfig, budget_field
 from mm_oval.errors import ConfigError
 from mm_oval.policies.base import IMAGE
 from mm_oval.stats import get_stats
-from mm_oval.wrapper import new_cache
+from mm_oval.wrapper import new_cache, wrap_info
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,7 +35,7 @@ def _run(model, inputs, **cfg):
     """Generate through the wrapped model; every selection the retrieval policy makes is logged."""
     mm_oval.wrap(model, **cfg)
     log = []
-    policy = model._mm_oval.retrieval
+    policy = wrap_info(model).retrieval
     if policy is not None:
         select = policy.select
 

@@ -10,12 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
+import mm_oval
 from mm_oval.chat import Chat
 from mm_oval.cli import main
 from mm_oval.cli_chat import run
 from mm_oval.errors import ConfigError, DataError, ModelError
+from mm_oval.registry import known_methods
 
 QUESTIONS = ["what color is the circle ?", "how many blue objects are there ?", "is there a red square ?"]
+QUESTIONS_SQUARE = "what color is the square ?"
 
 
 def _scene(color: str = "red", size: int = 128) -> Image.Image:
@@ -55,7 +58,7 @@ def test_conversation_says_what_the_harness_says(tiny_random_llava):
     for q in QUESTIONS:
         got_full.append(full.ask(q))
         got_snap.append(snap.ask(q))
-    assert not hasattr(model, "_mm_oval")
+    assert not mm_oval.is_wrapped(model)
     assert got_full == _harness(model, processor, image, "full", None, QUESTIONS, 5)
     assert got_snap == _harness(model, processor, image, "snapkv", 0.25, QUESTIONS, 5)
     assert full.history == list(zip(QUESTIONS, got_full))
@@ -149,7 +152,13 @@ def test_page_reads_match_the_pages_retrieval_read(tiny_random_llava):
     frac = chat.stats()["page_read_fraction"]
     assert 0.25 <= frac < 0.5  # ceil(25%) of the candidate pages per head and step
 
-    plain = Chat(model, processor, _scene(), method="full:retrieval=quest,read_budget=0.25,image_tile=2", max_new_tokens=2)
+    plain = Chat(
+        model,
+        processor,
+        _scene(),
+        method="full:retrieval=quest,read_budget=0.25,image_tile=2",
+        max_new_tokens=2,
+    )
     plain.ask(QUESTIONS[0])
     with pytest.raises(ConfigError, match="record_reads=True"):
         plain.page_reads()
@@ -220,7 +229,7 @@ def test_a_failed_turn_starts_the_conversation_over(tiny_random_llava):
             chat.ask(QUESTIONS[1])
     finally:
         hook.remove()
-    assert chat.turns == [] and not hasattr(model, "_mm_oval")
+    assert chat.turns == [] and not mm_oval.is_wrapped(model)
     with pytest.raises(ConfigError, match="ask a question first"):
         chat.stats()
     assert chat.ask(QUESTIONS[0]) == first  # a fresh first turn, image included
@@ -369,6 +378,89 @@ def test_ctrl_c_at_the_prompt_ends_the_session_with_one_line(tiny_random_llava_d
     assert (
         rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "mm-oval chat: interrupted"
     )
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled trained tiny LLaVA (64 image tokens), loaded from its folder (KVzip reads its tokenizer)."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mm_oval.zoo import bundled_model_path
+
+    try:
+        path = bundled_model_path()
+    except ModelError as e:
+        pytest.skip(f"bundled model not built yet: {e}")
+    return LlavaForConditionalGeneration.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+
+
+# options a method needs on the bundled 64-token model (router v2's default weights are the 576-token model's)
+BUNDLED_OPTIONS = {"router2": "weights=none"}
+
+
+def _every_method() -> list:
+    """Every registered eviction method at budget 0.25 and retrieval method at read budget 0.5."""
+    eviction, retrieval = known_methods()
+    specs = [pytest.param(m, 0.25, id=m) for m in eviction if m != "full"]
+    for r in retrieval:
+        specs.append(pytest.param(f"{r}:{BUNDLED_OPTIONS[r]}" if r in BUNDLED_OPTIONS else r, 0.5, id=r))
+    return specs
+
+
+@pytest.mark.parametrize("spec, budget", _every_method())
+def test_every_method_answers_in_a_chat_as_the_wrapped_model_does(bundled, spec, budget):
+    """A Chat serves its method exactly as `mm_oval.wrap` does (KVzip's pass over the prompt included): its
+    first answer is the wrapped model's greedy answer to the same prompt; a second turn answers on the same
+    cache; the model is left unwrapped."""
+    import mm_oval
+    from mm_oval.config import OvalConfig
+    from mm_oval.prompts import chat_prompt, to_model
+
+    model, processor = bundled
+    image = _scene("red")
+    config = OvalConfig.from_spec(spec, budget)
+    chat = Chat(model, processor, image, config=config, max_new_tokens=3)
+    first = chat.ask(QUESTIONS_SQUARE)
+    second = chat.ask("what shape is it ?")
+    assert first and second and len(chat.turns) == 2 and not mm_oval.is_wrapped(model)
+    stats = chat.stats()
+    if config.evicts:
+        assert stats["image_kv_fraction_kept"] < 1.0
+    else:
+        assert stats["retrieval"] == config.retrieval and stats["decode_steps"] > 0
+    enc = to_model(
+        processor(images=[image], text=[chat_prompt(processor, QUESTIONS_SQUARE)], return_tensors="pt"), model
+    )
+    with mm_oval.wrapped(model, config), torch.inference_mode():
+        seq = model.generate(**enc, max_new_tokens=3, do_sample=False)
+    assert (
+        processor.tokenizer.decode(seq[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+        == first
+    )
+
+
+def test_a_chat_gives_a_wrapped_model_its_own_wrap_back(bundled):
+    """A Chat with another configuration than the model's wrap serves its own (KVzip here) for each ask and
+    leaves the model's wrap (configuration, policies, last stats) as it was."""
+    import mm_oval
+    from mm_oval.stats import get_stats
+    from mm_oval.wrapper import wrap_info
+
+    model, processor = bundled
+    mm_oval.wrap(model, method="knorm", budget=0.5)
+    try:
+        info = wrap_info(model)
+        chat = Chat(model, processor, _scene("red"), method="kvzip", budget=0.25, max_new_tokens=3)
+        assert chat.ask(QUESTIONS_SQUARE)
+        assert chat.stats()["method"] == "kvzip"
+        assert wrap_info(model) == info
+        with pytest.raises(ConfigError, match="no request"):
+            get_stats(model)  # the chat's requests were its own wrap's
+        same = Chat(model, processor, _scene("red"), method="knorm", budget=0.5, max_new_tokens=3)
+        assert same.ask(QUESTIONS_SQUARE)  # the model's own wrap and policies serve it
+        assert get_stats(model)["method"] == "knorm" and wrap_info(model) == info
+    finally:
+        mm_oval.unwrap(model)
 
 
 def test_the_chat_library_does_not_pull_in_the_evaluation_harness():

@@ -33,7 +33,7 @@ from mm_oval.policies.page_summaries import (
     scoring_operands,
 )
 from mm_oval.stats import get_stats
-from mm_oval.wrapper import new_cache
+from mm_oval.wrapper import new_cache, wrap_info
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -214,7 +214,7 @@ def test_a_bad_summary_format_in_a_spec_is_refused_when_wrapping(tiny_random_lla
     assert cfg.retrieval_options == {"summary_format": "int8"}
     with pytest.raises(ConfigError, match="oval: retrieval option summary_format must be one of"):
         mm_oval.wrap(model, cfg)
-    assert getattr(model, "_mm_oval", None) is None
+    assert not mm_oval.is_wrapped(model)
 
 
 def _independent_compact_bytes(summaries: dict, page_len: torch.Tensor) -> torch.Tensor:
@@ -267,7 +267,7 @@ def _run(model, inputs, retrieval, **options):
     )
     mm_oval.wrap(model, cfg)
     log = []
-    policy = model._mm_oval.retrieval
+    policy = wrap_info(model).retrieval
     select = policy.select
 
     def logged(ctx, budget):

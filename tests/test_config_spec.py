@@ -106,7 +106,7 @@ def test_kvp_agents_are_comparable_across_heads_only_when_trained_on_joint_heads
     cfg = OvalConfig.from_spec("kvp:head_budget=shared", 0.25)  # the spec alone cannot tell
     with pytest.raises(ConfigError, match="head_budget=shared ranks the KV heads"):
         mm_oval.wrap(model, cfg)
-    assert not hasattr(model, "_mm_oval")
+    assert not mm_oval.is_wrapped(model)
     mm_oval.unwrap(
         mm_oval.wrap(model, OvalConfig.from_spec("kvp:head_budget=shared,agents=bundled-joint", 0.25))
     )

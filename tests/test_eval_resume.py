@@ -13,6 +13,7 @@ from mm_oval.eval import runner
 from mm_oval.eval.runner import evaluate, load_model, score_file
 from PIL import Image
 
+import mm_oval
 from mm_oval.cli import main
 from mm_oval.errors import ConfigError, DataError, ResultsError
 
@@ -116,7 +117,7 @@ def test_a_typo_in_the_method_writes_nothing_so_the_corrected_command_runs(loade
                 model, processor, "vqav2", data, method=method, budget=budget, out_dir=out, limit=2, **KW
             )
         assert not (out / "run.json").exists(), method
-        assert getattr(model, "_mm_oval", None) is None
+        assert not mm_oval.is_wrapped(model)
     res = evaluate(
         model, processor, "vqav2", data, method="streamingllm", budget=0.5, out_dir=out, limit=2, **KW
     )

@@ -16,6 +16,7 @@ from mm_oval.eval.files import JsonlAppender
 from mm_oval.eval.runner import evaluate, load_model, score_file
 from PIL import Image
 
+import mm_oval
 from mm_oval.errors import ConfigError, DataError, ModelError, ResultsError
 
 COLORS = ["red", "green", "blue", "yellow"]
@@ -198,7 +199,7 @@ def test_killed_run_resumes_to_the_same_results(
         done, redone = 4, 4
     assert not (out / "results.json").exists()
     assert len(_preds(out)) == done
-    assert getattr(model, "_mm_oval", None) is None  # unwrapped even after the interruption
+    assert not mm_oval.is_wrapped(model)  # unwrapped even after the interruption
     # a crash in the middle of writing a record leaves half a line
     with open(out / "predictions.rank0.jsonl", "a") as f:
         f.write('{"id": "7", "predic')

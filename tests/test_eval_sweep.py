@@ -6,6 +6,7 @@ import pytest
 from mm_oval.eval.sweep import cell_dir_name, markdown_table, parse_budgets, parse_methods, run_sweep
 from mm_oval.eval.vqa import VQAv2Task
 
+import mm_oval
 from mm_oval.cli import main
 from mm_oval.errors import ConfigError
 
@@ -61,7 +62,7 @@ def test_sweep_writes_table_and_plot_and_resumes(tiny_random_llava, tmp_path):
     # compressed cells report the KV kept; a smaller budget keeps less
     kept = {(c["method"], c["budget"]): c["kv_fraction_kept"] for c in s["cells"]}
     assert kept[("knorm", 0.25)] < kept[("knorm", 0.5)] < 1.0
-    assert getattr(model, "_mm_oval", None) is None  # the sweep leaves the model unwrapped
+    assert not mm_oval.is_wrapped(model)  # the sweep leaves the model unwrapped
     # a rerun generates nothing new and gives the same table
     again = run_sweep(
         model, processor, "vqav2", data, ["streamingllm", "knorm"], [0.25, 0.5], tmp_path / "sw", **kw
@@ -146,7 +147,7 @@ def test_sweep_checks_every_cell_before_the_first_runs(tiny_random_llava, tmp_pa
             run_sweep(model, processor, "vqav2", data, methods, budgets, tmp_path / "sw", **kw)
         # nothing ran, so nothing was written: the corrected command is not refused
         assert not list((tmp_path / "sw").rglob("run.json")) and not list((tmp_path / "sw").rglob("*.jsonl"))
-        assert getattr(model, "_mm_oval", None) is None
+        assert not mm_oval.is_wrapped(model)
     s = run_sweep(model, processor, "vqav2", data, ["streamingllm"], [0.5], tmp_path / "sw", **kw)
     assert len(s["cells"]) == 1
 

@@ -15,7 +15,7 @@ from mm_oval.config import OvalConfig
 from mm_oval.policies.base import IMAGE, PAD, TEXT, PrefillContext, Rope, make_eviction
 from mm_oval.policies.expected import ExpectedAttention
 from mm_oval.stats import get_stats
-from mm_oval.wrapper import prefill
+from mm_oval.wrapper import prefill, wrap_info
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -265,7 +265,7 @@ def test_it_keeps_exactly_its_budget_in_the_wrapped_model(tiny_random_llava, inp
             model, method="expected_attention", budget=0.25, eviction_scope=scope, head_budget=head_budget,
             sink_tokens=0, recent_tokens=0,
         )  # fmt: skip
-        assert model._mm_oval.inner_attn == "sdpa"
+        assert wrap_info(model).attn_implementation == "sdpa"
         cache = prefill(model, **inputs)
         n_img = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
         n_valid = inputs["attention_mask"].sum(-1)
@@ -318,9 +318,8 @@ def test_the_seam_hands_hidden_states_module_and_rope_and_the_scores_match_kvpre
 
     hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in lm.layers]
     try:
-        mm_oval.wrap(model, method="expected_attention", budget=0.25)
         probe = _Probe(n_future_positions=32)
-        model._mm_oval.eviction = probe
+        mm_oval.wrap(model, method="expected_attention", budget=0.25, eviction_policy=probe)
         model.generate(**inputs, max_new_tokens=1, do_sample=False)  # positions from the attention mask
         assert len(probe.seen) == len(lm.layers)
         inv_freq = lm.rotary_emb.inv_freq
@@ -344,7 +343,8 @@ def test_the_seam_hands_hidden_states_module_and_rope_and_the_scores_match_kvpre
             vk = v[:, None, :].expand_as(got)
             torch.testing.assert_close(got[vk].double(), want[vk], atol=1e-5, rtol=1e-4)
         # a method that does not ask for hidden states gets none, and no layer keeps them
-        model._mm_oval.eviction = plain = _PlainProbe()
+        plain = _PlainProbe()
+        mm_oval.wrap(model, method="expected_attention", budget=0.25, eviction_policy=plain)
         cache = prefill(model, **inputs)
         assert all(ctx.hidden_states is None for ctx in plain.seen)
         assert cache.step.attention_inputs == {}
@@ -369,9 +369,15 @@ def test_it_compresses_right_after_the_image_and_answers_on_a_copy(tiny_random_l
     end = int(torch.arange(ids.shape[1]).masked_fill(~is_img[0], -1).max()) + 1
     head = {"input_ids": ids[:, :end], "attention_mask": torch.ones_like(ids[:, :end])}
     try:
-        mm_oval.wrap(model, method="expected_attention", budget=0.25, sink_tokens=0, recent_tokens=0)
         probe = _Probe(n_future_positions=8)
-        model._mm_oval.eviction = probe
+        mm_oval.wrap(
+            model,
+            method="expected_attention",
+            budget=0.25,
+            sink_tokens=0,
+            recent_tokens=0,
+            eviction_policy=probe,
+        )
         with torch.inference_mode():
             cache = prefill(model, **head, pixel_values=enc["pixel_values"])
             for layer in cache.layers:

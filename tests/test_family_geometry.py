@@ -167,7 +167,7 @@ def test_a_prompt_that_does_not_match_its_pixels_is_a_data_error(family):
             _geometry(model, inputs)
 
 
-def test_a_family_mm_oval_cannot_read_is_refused_naming_what_is_missing():
+def test_a_family_whose_image_layout_is_unreadable_is_refused_naming_what_is_missing():
     from transformers import (
         GemmaConfig,
         PaliGemmaConfig,
@@ -190,7 +190,7 @@ def test_a_family_mm_oval_cannot_read_is_refused_naming_what_is_missing():
     )
     with pytest.raises(ModelError, match=r"model_type 'paligemma'.*LlavaNextForConditionalGeneration"):
         mm_oval.wrap(pali)
-    assert not hasattr(pali, "_mm_oval")
+    assert not mm_oval.is_wrapped(pali)
     model, _ = BUILDERS["qwen2_5_vl"]()
     model.config.vision_config.__dict__["spatial_merge_size"] = None
     with pytest.raises(ModelError, match="lacks spatial_merge_size"):

@@ -131,7 +131,7 @@ def test_fastv_layer_is_checked_against_the_model_it_is_wrapped_onto(tiny_random
     shallow, processor = build_tiny_llava(seed=0, sizes=TinyLlavaSizes(text_layers=3))
     with pytest.raises(mm_oval.ConfigError, match=r"layer=2 on a model of 3 layers evicts nothing.*0\.\.1"):
         mm_oval.wrap(shallow, method="fastv", budget=0.25)
-    assert not hasattr(shallow, "_mm_oval")
+    assert not mm_oval.is_wrapped(shallow)
     with pytest.raises(mm_oval.ConfigError, match="evicts nothing"):
         Chat(shallow, processor, Image.new("RGB", (128, 128)), method="fastv", budget=0.25)
     mm_oval.unwrap(mm_oval.wrap(shallow, method="fastv", budget=0.25, method_options={"layer": 1}))

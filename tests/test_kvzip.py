@@ -18,7 +18,7 @@ from mm_oval.errors import ConfigError
 from mm_oval.policies.base import IMAGE, TEXT, PrefillContext, make_eviction
 from mm_oval.policies.kvzip import KVzip, KVzipRequest, reconstruction_scores
 from mm_oval.training.router import new_router
-from mm_oval.wrapper import prefill
+from mm_oval.wrapper import prefill, wrap_info
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -288,10 +288,10 @@ def test_tokenizer_comes_from_the_model_folder_or_a_clear_error(tiny_random_llav
         mm_oval.wrap(model, method="kvzip", budget=0.25)  # built in memory: no folder to read it from
     with pytest.raises(ConfigError, match="no tokenizer could be loaded"):
         mm_oval.wrap(model, method="kvzip", budget=0.25, method_options={"tokenizer": "/nonexistent/kvzip"})
-    assert getattr(model, "_mm_oval", None) is None
+    assert not mm_oval.is_wrapped(model)
     loaded = LlavaForConditionalGeneration.from_pretrained(tiny_random_llava_dir)
     mm_oval.wrap(loaded, method="kvzip", budget=0.25)
-    assert loaded._mm_oval.eviction._ids is not None
+    assert wrap_info(loaded).eviction._ids is not None
     mm_oval.unwrap(loaded)
 
 

@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("lmms_eval")
 
 from mm_oval.errors import ConfigError  # noqa: E402
+from mm_oval.prompts import chat_prompt  # noqa: E402
+from mm_oval.wrapper import wrap_info  # noqa: E402
 
 HERE = Path(__file__).parent
 LIMIT = 20
@@ -147,7 +149,7 @@ def test_bad_model_args_are_project_errors():
     lm = MmOvalLlava.create_from_arg_string(
         'pretrained=bundled,method="snapkv:window=4,text_budget=0.5",budget=0.25,device=cpu'
     )
-    cfg = lm.model._mm_oval.config
+    cfg = wrap_info(lm.model).config
     assert (cfg.method, cfg.budget, cfg.text_budget, cfg.method_options) == ("snapkv", 0.25, 0.5, {"window": 4})
 
 
@@ -395,10 +397,10 @@ def test_loglikelihood_scores_the_continuation_on_the_compressed_cache():
 
     model, proc = full.model, full._processor
     q = questions[1]
-    text = runner.chat_prompt(proc, utils.doc_to_text(q))
+    text = chat_prompt(proc, utils.doc_to_text(q))
     img = utils.doc_to_visual(q)[0]
-    ctx = runner._model_inputs(proc, model, [img], [text])
-    both = runner._model_inputs(proc, model, [img], [text + " purple elephant"])
+    ctx = runner.model_inputs(proc, model, [img], [text])
+    both = runner.model_inputs(proc, model, [img], [text + " purple elephant"])
     n = ctx["input_ids"].shape[1]
     with torch.inference_mode():
         logp = model(**both).logits.float().log_softmax(-1)[0]

@@ -99,7 +99,7 @@ def test_truncated_or_incomplete_agent_and_router_files_are_clear_errors(tiny_ra
         load_agents(agents)
     with pytest.raises(ModelError, match="truncated"):
         mm_oval.wrap(model, method="kvp", budget=0.25, method_options={"agents": str(agents)})
-    assert not hasattr(model, "_mm_oval")
+    assert not mm_oval.is_wrapped(model)
     incomplete = save_agents(KVPAgents(cfg), tmp_path / "incomplete", kvp_signature(model))
     text = json.loads((incomplete / CONFIG_NAME).read_text())
     del text["agent"]
@@ -132,7 +132,7 @@ def test_the_router_is_checked_against_the_model_it_is_wrapped_onto():
     )  # the bundled shapes, other weights
     with pytest.raises(ModelError, match=rf"fingerprint {trained_for}.*fingerprint {model_signature(model)['fingerprint']}"):  # fmt: skip
         mm_oval.wrap(model, retrieval="router", read_budget=0.25)
-    assert not hasattr(model, "_mm_oval")
+    assert not mm_oval.is_wrapped(model)
     shallow, _ = build_tiny_llava(seed=0, sizes=TinyLlavaSizes(text_layers=3, text_head_dim=64))
     with pytest.raises(ModelError, match=r"'num_layers': 4.*'num_layers': 3"):
         mm_oval.wrap(shallow, retrieval="router", read_budget=0.25)

@@ -130,10 +130,10 @@ def test_a_plain_lm_refuses_pixel_values_and_two_budgets(tiny_lm):
         mm_oval.unwrap(tiny_lm)
     with pytest.raises(ConfigError, match="one context budget"):
         mm_oval.wrap(tiny_lm, method="snapkv", budget=0.25, text_budget=0.5)
-    assert not hasattr(tiny_lm, "_mm_oval")
+    assert not mm_oval.is_wrapped(tiny_lm)
 
 
-def test_a_model_mm_oval_cannot_wrap_names_the_plain_lms_it_takes():
+def test_a_model_that_cannot_be_wrapped_is_refused_naming_the_plain_lms_wrap_takes():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
     with pytest.raises(ModelError, match="LlamaForCausalLM"):
         mm_oval.wrap(gpt2, method="snapkv", budget=0.5)
@@ -209,6 +209,6 @@ def test_the_harness_runs_a_text_task_question_agnostic_and_in_turns(tiny_lm, by
         max_new_tokens=4,
     )
     assert r["scores"]["count"] == 8 and r["kv"]["kv_fraction_kept"] == pytest.approx(0.5, abs=0.02)
-    assert not hasattr(tiny_lm, "_mm_oval")
+    assert not mm_oval.is_wrapped(tiny_lm)
     with pytest.raises(ConfigError, match="'image' is for image tasks"):
         evaluate(tiny_lm, byte_tokenizer, "doorkeys_1k", tmp_path, compress="image", progress=False)

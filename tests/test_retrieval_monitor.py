@@ -32,10 +32,8 @@ class RandomPages(RetrievalPolicy):
 
 
 def _generate(model, processor, llava_batch, policy=None, n=12, **cfg):
-    wrapped = mm_oval.wrap(model, OvalConfig(**cfg))
+    wrapped = mm_oval.wrap(model, OvalConfig(**cfg), retrieval_policy=policy)  # policy None: the configured one
     try:
-        if policy is not None:
-            wrapped._mm_oval.retrieval = policy
         wrapped.generate(**llava_batch(TEXTS), max_new_tokens=n, min_new_tokens=n, do_sample=False)
         return get_stats(wrapped)
     finally:

@@ -42,6 +42,7 @@ from mm_oval.training.router import (
     train_router2,
     zoo_prompts,
 )
+from mm_oval.wrapper import wrap_info
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,7 +57,7 @@ def _run(model, inputs, name, options, new_tokens=5, **budget):
     """Generate with retrieval `name`; (model, output ids, the chosen pages of every select call, bytes read
     per step, the policy)."""
     wrapped = mm_oval.wrap(model, retrieval=name, retrieval_options=options, **budget)
-    policy = wrapped._mm_oval.retrieval
+    policy = wrap_info(wrapped).retrieval
     seen = []
     inner = policy.select
 

@@ -7,7 +7,7 @@ import torch
 import mm_oval
 from mm_oval.cache import summaries as cache_mod
 from mm_oval.config import OvalConfig
-from mm_oval.wrapper import prefill
+from mm_oval.wrapper import prefill, wrap_info
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,14 +46,15 @@ def test_summaries_built_in_chunks_of_pages_equal_those_built_at_once(
     cfg = OvalConfig(method=method, retrieval=retrieval, retrieval_options=options, **budget)
     wrapped = mm_oval.wrap(model, cfg)
     calls: list[int] = []
-    real = wrapped._mm_oval.retrieval.summarize
+    policy = wrap_info(wrapped).retrieval
+    real = policy.summarize
 
     def counting(pages):
         calls.append(pages.keys.shape[2])
         return real(pages)
 
     try:
-        monkeypatch.setattr(wrapped._mm_oval.retrieval, "summarize", counting)
+        monkeypatch.setattr(policy, "summarize", counting)
         monkeypatch.setattr(cache_mod, "SUMMARY_TEMP_SHARE", 1e9)  # every page in one call
         once = prefill(wrapped, **inputs)
         n_once = len(calls)

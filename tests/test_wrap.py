@@ -212,16 +212,125 @@ def test_unwrap_restores_the_plain_model(model_and_processor):
     cls_generate = type(model).generate
     lm = model.model.language_model
     before = lm.config._attn_implementation
+    attrs = set(vars(model))
+    assert not mm_oval.is_wrapped(model)
     mm_oval.wrap(model, method="h2o", budget=0.5)
+    assert mm_oval.is_wrapped(model)
     assert lm.config._attn_implementation == f"mm_oval_{before}"
     assert model.model.vision_tower.config._attn_implementation == before  # the vision tower is untouched
     mm_oval.wrap(model, method="knorm", budget=0.5)  # re-wrapping replaces the configuration
-    assert model._mm_oval.config.method == "knorm"
+    assert wrapper.wrap_info(model).config.method == "knorm"
     mm_oval.unwrap(model)
     assert lm.config._attn_implementation == before
     assert model.generate.__func__ is cls_generate
-    assert not hasattr(model, "_mm_oval")
+    assert not mm_oval.is_wrapped(model) and set(vars(model)) == attrs  # nothing left on the model
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def _hooks(model) -> int:
+    """Forward hooks on the model and every submodule (the wrap puts some on the model, the language model
+    and each attention module; Hugging Face installs its own output-capturing ones at the first forward)."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def _plain_state(model):
+    """What a wrap changes on the model: its attention implementations, `generate`, hooks, attributes."""
+    return (
+        model.model.language_model.config._attn_implementation,
+        model.model.vision_tower.config._attn_implementation,
+        model.generate.__func__,
+        _hooks(model),
+        set(vars(model)),
+    )
+
+
+def test_the_scoped_wrap_restores_the_plain_model_on_exit_and_on_an_exception(model_and_processor):
+    model, processor = model_and_processor
+    inputs = _batch(processor, 1)
+    model.generate(**inputs, max_new_tokens=2, do_sample=False)  # Hugging Face's own hooks, installed once
+    plain = _plain_state(model)
+    assert plain[2] is type(model).generate and not mm_oval.is_wrapped(model)
+    with mm_oval.wrapped(model, method="snapkv", budget=0.25) as m:
+        assert m is model and mm_oval.is_wrapped(model)
+        assert wrapper.wrap_info(model).config == OvalConfig(method="snapkv", budget=0.25)
+        assert model.model.language_model.config._attn_implementation == f"mm_oval_{plain[0]}"
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        assert get_stats(model)["method"] == "snapkv"
+    assert not mm_oval.is_wrapped(model) and _plain_state(model) == plain
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with mm_oval.wrapped(model, OvalConfig(method="knorm", budget=0.5)):
+            model.generate(**inputs, max_new_tokens=2, do_sample=False)
+            raise RuntimeError("inside the block")
+    assert not mm_oval.is_wrapped(model) and _plain_state(model) == plain
+    with pytest.raises(ConfigError, match="out of range"):  # a wrap that fails: nothing to restore
+        with mm_oval.wrapped(model, method="snapkv", budget=1.5):
+            pass
+    assert _plain_state(model) == plain
+    with pytest.raises(ConfigError, match="not wrapped"):
+        get_stats(model)
+
+
+def test_the_scoped_wrap_gives_a_wrapped_model_its_own_wrap_back(model_and_processor):
+    """Inside the block the model serves the block's configuration; after it (normally or by an exception)
+    the earlier wrap's configuration, policies, attention implementation, hooks and last stats."""
+    model, processor = model_and_processor
+    inputs = _batch(processor, 1)
+    mm_oval.wrap(model, method="knorm", budget=0.5)
+    model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    info, stats, state = wrapper.wrap_info(model), get_stats(model), _plain_state(model)
+    for fail in (False, True):
+        with pytest.raises(RuntimeError) if fail else _nothing():
+            with mm_oval.wrapped(model, method="snapkv", budget=0.25, text_budget=0.5):
+                inner = wrapper.wrap_info(model)
+                assert inner.config.method == "snapkv" and inner.eviction is not info.eviction
+                assert inner.attn_implementation == info.attn_implementation
+                model.generate(**inputs, max_new_tokens=2, do_sample=False)
+                assert get_stats(model)["method"] == "snapkv"
+                if fail:
+                    raise RuntimeError
+        assert wrapper.wrap_info(model) == info and wrapper.wrap_info(model).eviction is info.eviction
+        assert get_stats(model) is stats and _plain_state(model) == state
+    model.generate(**inputs, max_new_tokens=2, do_sample=False)  # the earlier wrap serves again
+    assert get_stats(model)["method"] == "knorm"
+    # a wrap that fails inside leaves the earlier one in place
+    with pytest.raises(ConfigError, match="unknown eviction method"):
+        with mm_oval.wrapped(model, method="nope"):
+            pass
+    assert wrapper.wrap_info(model) == info and _plain_state(model) == state
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_wrap_serves_the_policies_it_is_given(model_and_processor):
+    """wrap(..., eviction_policy=, retrieval_policy=): every request's cache serves exactly those objects;
+    the configuration must name a method of each kind given."""
+    model, processor = model_and_processor
+    inputs = _batch(processor, 1)
+    from mm_oval.registry import make_eviction, make_retrieval
+
+    ev, rt = make_eviction("snapkv"), make_retrieval("quest")
+    cfg = OvalConfig(method="snapkv", budget=0.25, retrieval="quest", read_budget=0.5)
+    mm_oval.wrap(model, cfg, eviction_policy=ev, retrieval_policy=rt)
+    info = wrapper.wrap_info(model)
+    assert info.eviction is ev and info.retrieval is rt
+    cache = wrapper.new_cache(model)
+    assert cache.eviction is ev and cache.retrieval is rt
+    cache = prefill(model, **inputs)
+    assert cache.eviction is ev and cache.retrieval is rt and cache.copy().eviction is ev
+    mm_oval.wrap(model, cfg)  # built by the wrap itself: new objects, the cache's are the same ones
+    info = wrapper.wrap_info(model)
+    assert info.eviction is not ev and wrapper.new_cache(model).retrieval is info.retrieval
+    with pytest.raises(ConfigError, match="method is 'full'"):
+        mm_oval.wrap(model, eviction_policy=ev)
+    with pytest.raises(ConfigError, match="no retrieval"):
+        mm_oval.wrap(model, method="snapkv", budget=0.25, retrieval_policy=rt)
+    assert wrapper.wrap_info(model) == info  # the failed wraps left the model as it was
 
 
 def test_clear_errors(model_and_processor):
@@ -238,7 +347,7 @@ def test_clear_errors(model_and_processor):
         mm_oval.wrap(model, method="nope")
     with pytest.raises(ConfigError, match="unknown OvalConfig field"):
         mm_oval.wrap(model, budgett=0.5)
-    assert not hasattr(model, "_mm_oval")  # a failed wrap leaves the model as it was
+    assert not mm_oval.is_wrapped(model)  # a failed wrap leaves the model as it was
     mm_oval.wrap(model, method="knorm", budget=0.5)
     inputs = dict(_batch(processor, 1))
     inputs["pixel_values"] = inputs["pixel_values"].repeat(2, 1, 1, 1)  # two images, one <image> in the text
@@ -264,11 +373,13 @@ def test_stats_describe_the_last_request(model_and_processor):
 
 
 def test_a_request_checks_its_images_and_computes_its_stats_once(model_and_processor, monkeypatch):
-    """generate, prefill and a plain forward each check the images against the prompt once and compute
-    the stats once; the request's state is in the cache's typed fields, nothing is left on the model."""
+    """generate, prefill, a plain forward and a request begun by new_request (then a forward, or generate)
+    each check the images against the prompt once and compute the stats once; the request's state is in
+    the cache's typed fields, nothing is left on the model."""
     model, processor = model_and_processor
     inputs = _batch(processor, 2)
     mm_oval.wrap(model, method="snapkv", budget=0.25)
+    attrs = set(vars(model))
     calls = {"images": 0, "stats": 0}
     check, stats = wrapper._geometry, wrapper.cache_stats
 
@@ -292,9 +403,16 @@ def test_a_request_checks_its_images_and_computes_its_stats_once(model_and_proce
     with torch.no_grad():
         model(**inputs, cache=cache, use_cache=True)
     assert calls == {"images": 3, "stats": 3}
-    assert not [
-        a for a in vars(model) if a.startswith("_mm_oval") and a not in ("_mm_oval", "_mm_oval_generate")
-    ]
+    cache = wrapper.new_request(model, **inputs)
+    assert calls == {"images": 4, "stats": 3} and cache.request.started is not None
+    with torch.no_grad():
+        model(**inputs, cache=cache, use_cache=True)
+    assert calls == {"images": 4, "stats": 4}
+    model.generate(**inputs, cache=wrapper.new_request(model, **inputs), max_new_tokens=2, do_sample=False)
+    assert calls == {"images": 5, "stats": 5}
+    with pytest.raises(ConfigError, match="already holds a request"):
+        wrapper.new_request(model, cache=cache, **inputs)
+    assert set(vars(model)) == attrs  # nothing left on the model
 
 
 def test_the_wrapper_keeps_only_what_the_configured_policies_read(model_and_processor):

@@ -15,7 +15,6 @@ from ..config import OvalConfig
 from ..core import RequestState, Rope, StepState
 from ..errors import ConfigError
 from ..geometry import Geometry
-from ..registry import make_eviction, make_retrieval
 from ..stats import RetrievalMonitor
 from .decode import MaskedDecode, choose_backend
 from .layer import PagedLayer
@@ -26,8 +25,9 @@ if TYPE_CHECKING:
 
 
 class PagedMultimodalCache(Cache):
-    """The cache of one request (batch). Built by the wrapped model's `generate`; build one yourself for
-    a multi-turn session with `mm_oval.wrapper.prefill`."""
+    """The cache of one request (batch), serving the policies of its model's wrap. Built by the wrapped
+    model's `generate`; build one yourself with `mm_oval.wrapper.new_cache` / `new_request` / `prefill`
+    (e.g. for a multi-turn session)."""
 
     def __init__(
         self,
@@ -39,10 +39,10 @@ class PagedMultimodalCache(Cache):
         n_layers = text_config.num_hidden_layers
         super().__init__(layers=[PagedLayer(self, i) for i in range(n_layers)])
         self.config = config
-        if eviction is None and config.method != "full":
-            eviction = make_eviction(config.method, **config.method_options)
-        if retrieval is None and config.retrieval:
-            retrieval = make_retrieval(config.retrieval, **config.retrieval_options)
+        if (eviction is None and config.method != "full") or (retrieval is None and config.retrieval):
+            raise ConfigError(  # the policies are the wrap's, built once (mm_oval.wrapper.make_policies)
+                "a cache serves its wrapped model's policies: build it with mm_oval.wrapper.new_cache(model)"
+            )
         check_policy(eviction, config.head_budget)  # a budget shared by the heads needs comparable scores
         self.eviction = eviction
         self.retrieval = retrieval

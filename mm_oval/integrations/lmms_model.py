@@ -38,6 +38,8 @@ from ..eval import runner
 from ..eval.files import atomic_write_json
 from ..eval.tasks import Item
 from ..modelfiles import load_model
+from ..prompts import chat_prompt
+from ..wrapper import is_wrapped
 
 log = logging.getLogger(__name__)
 
@@ -192,19 +194,19 @@ class MmOvalLlava(lmms):
                 self.kv_rows.append({"docs": docs, **r})
             return [t for t, _ in answers]
         model, proc = self._model, self._processor
-        inputs = runner._model_inputs(proc, model, [it.image() for it in items],
-                                      [runner.chat_prompt(proc, it.prompt) for it in items])  # fmt: skip
-        kw = runner._gen_kwargs(proc, max_new)
+        inputs = runner.model_inputs(proc, model, [it.image() for it in items],
+                                      [chat_prompt(proc, it.prompt) for it in items])  # fmt: skip
+        kw = runner.gen_kwargs(proc, max_new)
         if temperature > 0:
             kw.update(do_sample=True, temperature=temperature)
             if top_p is not None:
                 kw["top_p"] = float(top_p)
         with torch.inference_mode():
             seq = model.generate(**inputs, **kw)
-        stats = runner._kv_stats(model)
+        stats = runner.kv_stats(model)
         if stats:
             self.kv_rows.append({"docs": docs, **stats})
-        return [t for t, _ in runner._decode_answers(proc.tokenizer, seq[:, inputs["input_ids"].shape[1] :])]
+        return [t for t, _ in runner.decode_answers(proc.tokenizer, seq[:, inputs["input_ids"].shape[1] :])]
 
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
         """lmms-eval's llava_hf contract: per request (context, target, doc_to_visual, doc_id, task, split),
@@ -234,9 +236,9 @@ class MmOvalLlava(lmms):
 
     def _score(self, image: Any, prompt: str, continuation: str) -> tuple[float, bool, dict | None]:
         model, proc = self._model, self._processor
-        text = runner.chat_prompt(proc, prompt)
-        ctx = runner._model_inputs(proc, model, [image], [text])
-        full = runner._model_inputs(proc, model, [image], [text + " " + continuation.lstrip()])
+        text = chat_prompt(proc, prompt)
+        ctx = runner.model_inputs(proc, model, [image], [text])
+        full = runner.model_inputs(proc, model, [image], [text + " " + continuation.lstrip()])
         n_ctx = ctx["input_ids"].shape[1]
         if not torch.equal(full["input_ids"][:, :n_ctx], ctx["input_ids"]):
             raise DataError(
@@ -245,17 +247,9 @@ class MmOvalLlava(lmms):
         cont = full["input_ids"][:, n_ctx:]
         if cont.shape[1] == 0:
             raise DataError(f"mm_oval_llava: the continuation {continuation!r} has no tokens")
-        wrapped = getattr(model, "_mm_oval", None) is not None
+        wrapped = is_wrapped(model)
         with torch.inference_mode():
-            if wrapped:
-                from ..wrapper import _begin_request, new_cache
-
-                cache = new_cache(model)
-                _begin_request(model, cache, ctx["input_ids"], ctx)
-            else:
-                from transformers import DynamicCache
-
-                cache = DynamicCache(config=model.config.get_text_config())
+            cache = runner.prompt_cache(model, **ctx)  # a wrapped model's request begins here
             first = model(**ctx, cache=cache, use_cache=True).logits[:, -1:]
             logits = [first]
             if cont.shape[1] > 1:
@@ -266,7 +260,7 @@ class MmOvalLlava(lmms):
         target = cont[0]
         ll = float(logp.gather(1, target[:, None]).sum())
         greedy = bool((logp.argmax(-1) == target).all())
-        return ll, greedy, runner._kv_stats(model) if wrapped else None
+        return ll, greedy, runner.kv_stats(model) if wrapped else None
 
     def generate_until_multi_round(self, requests: list[Instance]) -> list[str]:
         raise ConfigError(
