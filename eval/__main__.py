@@ -5,26 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from pathlib import Path
 
+from mm_oval.cli import interrupted_message
+from mm_oval.errors import MmOvalError
 
-def _drop_checkout_root_from_path() -> None:
-    # `python -m` puts the working directory first on sys.path; in a source checkout that exposes the
-    # top-level kernels/ folder as a package named `kernels`, which transformers mistakes for the Hub's
-    # `kernels` library. mm_oval itself is importable from the installation, so the entry can go.
-    for entry in list(sys.path):
-        root = Path(entry or os.getcwd())
-        if (root / "kernels" / "__init__.py").is_file() and (root / "mm_oval" / "__init__.py").is_file():
-            sys.path.remove(entry)
-
-
-_drop_checkout_root_from_path()
-
-from ..cli import interrupted_message  # noqa: E402
-from ..errors import MmOvalError  # noqa: E402
-from . import cli_eval  # noqa: E402
+from . import cli_eval
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,9 @@ import json
 import logging
 import math
 
-from ..modelfiles import add_load_arguments, load_from_args
-from ..prompts import COMPRESS_AT
+from mm_oval.modelfiles import add_load_arguments, load_from_args
+from mm_oval.prompts import COMPRESS_AT
+
 from .runner import check_method, evaluate, parse_budget, process_state
 from .tasks import TASKS, Task, all_tasks
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..modelfiles import load_from_args
+from mm_oval.modelfiles import load_from_args
+
 from .cli_eval import add_data_arguments, add_generation_arguments, add_rules_argument, generation_options
 from .runner import process_state
 from .sweep import check_cells, markdown_table, parse_budgets, parse_methods, run_sweep

@@ -18,8 +18,8 @@ from typing import Any
 import pandas as pd
 from PIL import Image
 
-from ..errors import DataError
-from ..files import atomic_write_json, atomic_write_text, is_missing  # noqa: F401 (the lmms plugin's writer)
+from mm_oval.errors import DataError
+from mm_oval.files import atomic_write_json, atomic_write_text, is_missing  # noqa: F401 (the lmms plugin's writer)
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,9 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import ConfigError, DataError
-from ..files import atomic_write_text
+from mm_oval.errors import ConfigError, DataError
+from mm_oval.files import atomic_write_text
+
 from .files import read_jsonl_answers
 from .tasks import BUNDLED_SETS, Item, Rule, Task
 

@@ -39,9 +39,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
-from ..files import is_missing
-from ..prompts import OPTION_LETTERS, is_none, mmbench_prompt
+from mm_oval.errors import DataError
+from mm_oval.files import is_missing
+from mm_oval.prompts import OPTION_LETTERS, is_none, mmbench_prompt
+
 from .files import decode_base64_image, read_table, write_table
 from .tasks import BUNDLED_SETS, Item, Rule, Task, find_one
 

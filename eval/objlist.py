@@ -26,10 +26,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
-from ..files import atomic_write_text
-from ..prompts import list_prompt, load_image
-from ..zoo import bundled576_data_dir
+from mm_oval.errors import DataError
+from mm_oval.files import atomic_write_text
+from mm_oval.prompts import list_prompt, load_image
+from mm_oval.zoo import bundled576_data_dir
+
 from .files import read_jsonl_answers, read_jsonl_lines
 from .tasks import DataOption, Item, Rule, Task, find_one
 from .vqa import find_image_dir

@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write_bytes
+from mm_oval.files import atomic_write_bytes
 
 
 def _common_options(names: list[str]) -> list[str]:

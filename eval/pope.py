@@ -23,9 +23,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
-from ..files import atomic_write_text
-from ..prompts import SHORT_ANSWER_PROMPT, load_image, short_answer_prompt
+from mm_oval.errors import DataError
+from mm_oval.files import atomic_write_text
+from mm_oval.prompts import SHORT_ANSWER_PROMPT, load_image, short_answer_prompt
+
 from .files import read_jsonl_answers, read_jsonl_lines
 from .tasks import BUNDLED_SETS, DataOption, Item, Rule, Task
 from .vqa import find_image_dir

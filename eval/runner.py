@@ -37,14 +37,15 @@ from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..config import OvalConfig
-from ..errors import ConfigError, DataError, ModelError, ResultsError
-from ..files import atomic_write_json, remove_stale_tmp
-from ..geometry import SUPPORTED_CLASSES, TEXT_FAMILIES, is_text_only
-from ..modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
-from ..prompts import COMPRESS_AT, chat_prompt, to_model
-from ..stats import get_stats
-from ..wrapper import is_wrapped, new_cache, new_request, prefill, unwrap, wrap
+from mm_oval.config import OvalConfig
+from mm_oval.errors import ConfigError, DataError, ModelError, ResultsError
+from mm_oval.files import atomic_write_json, remove_stale_tmp
+from mm_oval.geometry import SUPPORTED_CLASSES, TEXT_FAMILIES, is_text_only
+from mm_oval.modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
+from mm_oval.prompts import COMPRESS_AT, chat_prompt, to_model
+from mm_oval.stats import get_stats
+from mm_oval.wrapper import is_wrapped, new_cache, new_request, prefill, unwrap, wrap
+
 from .files import JsonlAppender, iter_records, read_json
 from .tasks import Item, Task, get_task, resolve_data
 from .textgen import generate_text, generate_text_conversation

@@ -17,9 +17,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..config import budget_field
-from ..errors import ConfigError, MmOvalError
-from ..files import atomic_write_json, atomic_write_text
+from mm_oval.config import budget_field
+from mm_oval.errors import ConfigError, MmOvalError
+from mm_oval.files import atomic_write_json, atomic_write_text
+
 from .plots import plot_sweep
 from .runner import (
     apply_method,

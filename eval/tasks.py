@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 from PIL import Image
 
-from ..errors import ConfigError, DataError
-from ..zoo import bundled576_data_dir, bundled_data_dir
+from mm_oval.errors import ConfigError, DataError
+from mm_oval.zoo import bundled576_data_dir, bundled_data_dir
 
 # the bundled dev sets `--data` can name, and the package-data folder each is (see `Task.bundled`)
 BUNDLED_SETS: dict[str, Callable[[], Path]] = {"bundled": bundled_data_dir, "bundled576": bundled576_data_dir}

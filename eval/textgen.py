@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..errors import ConfigError
-from ..wrapper import is_wrapped, prefill
+from mm_oval.errors import ConfigError
+from mm_oval.wrapper import is_wrapped, prefill
+
 from .tasks import Item
 
 SEPARATOR = "\n\n"

@@ -19,9 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
-from ..files import atomic_write_json
-from ..prompts import load_image, short_answer_prompt
+from mm_oval.errors import DataError
+from mm_oval.files import atomic_write_json
+from mm_oval.prompts import load_image, short_answer_prompt
+
 from .files import read_json
 from .tasks import DataOption, Item, Rule, Task, find_one
 from .vqa import (  # noqa: F401  (the EvalAI processor is TextVQA's normaliser; re-exported here)

@@ -42,9 +42,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, DataError
-from ..files import atomic_write_json
-from ..prompts import load_image, short_answer_prompt
+from mm_oval.errors import ConfigError, DataError
+from mm_oval.files import atomic_write_json
+from mm_oval.prompts import load_image, short_answer_prompt
+
 from .files import read_json
 from .tasks import BUNDLED_SETS, DataOption, Item, Rule, Task, find_one
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ...errors import ConfigError
+from mm_oval.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

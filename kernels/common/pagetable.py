@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...errors import ConfigError
+from mm_oval.errors import ConfigError
 
 
 def paginate(

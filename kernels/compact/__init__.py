@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import torch
+from mm_oval.kernels.common.dispatch import HAS_TRITON, backend, check
 
-from ..common.dispatch import HAS_TRITON, backend, check
 from . import naive
 
 if HAS_TRITON:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ..common.triton_utils import last_contiguous, program_block
+from mm_oval.kernels.common.triton_utils import last_contiguous, program_block
 
 
 @triton.jit

@@ -4,8 +4,8 @@ per-token extra features (kernel.py: Triton; naive.py: the reference and the age
 from __future__ import annotations
 
 import torch
+from mm_oval.kernels.common.dispatch import HAS_TRITON, backend, check
 
-from ..common.dispatch import HAS_TRITON, backend, check
 from . import naive
 from .naive import KVPWeights
 

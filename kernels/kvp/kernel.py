@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from mm_oval.kernels.common.triton_utils import last_contiguous, program_block
 
-from ..common.triton_utils import last_contiguous, program_block
 from .naive import LN_EPS, KVPWeights
 
 

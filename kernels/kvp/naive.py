@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from ...errors import ConfigError
+from mm_oval.errors import ConfigError
 
 LN_EPS = 1e-5
 EXTRA_WEIGHTS = ("we", "be", "lne_w", "lne_b", "w1x")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
+from mm_oval.kernels.common.dispatch import HAS_TRITON, backend, check, check_page_scores
 
-from ..common.dispatch import HAS_TRITON, backend, check, check_page_scores
 from . import naive
 
 if HAS_TRITON:

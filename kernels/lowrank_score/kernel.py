@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ..common.triton_utils import (
+from mm_oval.kernels.common.triton_utils import (
     combine_gqa_triton,
     last_contiguous,
     program_block,

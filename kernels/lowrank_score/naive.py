@@ -12,8 +12,7 @@ rather than to the unpacked basis."""
 from __future__ import annotations
 
 import torch
-
-from ..common.gqa import combine_gqa
+from mm_oval.kernels.common.gqa import combine_gqa
 
 
 def _page_logsumexp(qmu: torch.Tensor, qvc: torch.Tensor, page_len: torch.Tensor, scale: float) -> torch.Tensor:

@@ -6,8 +6,7 @@ scale * q . k for every key of the page; `page_score_quest_naive` combines a KV 
 from __future__ import annotations
 
 import torch
-
-from ..common.gqa import combine_gqa
+from mm_oval.kernels.common.gqa import combine_gqa
 
 
 def page_raw_quest_naive(

@@ -4,8 +4,8 @@ head (kernel.py: Triton; naive.py: the reference), and the merge of two partial 
 from __future__ import annotations
 
 import torch
+from mm_oval.kernels.common.dispatch import HAS_TRITON, backend, check, check_gqa
 
-from ..common.dispatch import HAS_TRITON, backend, check, check_gqa
 from . import naive
 
 if HAS_TRITON:

@@ -17,8 +17,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from ..common.triton_utils import last_contiguous
+from mm_oval.kernels.common.triton_utils import last_contiguous
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)

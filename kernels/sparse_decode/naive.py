@@ -5,8 +5,7 @@ Shapes and layouts: docs/kernels.md. Everything is computed in fp32."""
 from __future__ import annotations
 
 import torch
-
-from ..common.pagetable import selected_token_mask
+from mm_oval.kernels.common.pagetable import selected_token_mask
 
 
 def sparse_paged_decode_naive(
