@@ -18,8 +18,9 @@ from typing import Any, ClassVar
 
 from PIL import Image
 
+from mm_oval import bundled
+from mm_oval.bundled import bundled576_data_dir, bundled_data_dir
 from mm_oval.errors import ConfigError, DataError
-from mm_oval.zoo import bundled576_data_dir, bundled_data_dir
 
 # the bundled dev sets `--data` can name, and the package-data folder each is (see `Task.bundled`)
 BUNDLED_SETS: dict[str, Callable[[], Path]] = {"bundled": bundled_data_dir, "bundled576": bundled576_data_dir}
@@ -182,12 +183,7 @@ def resolve_data(data: str | Path, task: Task | None = None) -> Path:
             f"{task.name} has no bundled dev set {name!r} (its bundled sets: {has}); pass --data the path of "
             f"its data ({task.data_help})"
         )
-    if name in BUNDLED_SETS:
-        return BUNDLED_SETS[name]()
-    path = Path(data).expanduser()
-    if not path.exists():
-        raise DataError(f"data path not found: {path}")
-    return path
+    return bundled.resolve_data(data)  # `bundled` / `bundled576`, or a path that must exist
 
 
 def find_one(folder: Path, patterns: list[str], what: str) -> Path:

@@ -34,6 +34,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from mm_oval.kernels.lowrank_score.record import compact_page_bases
 
 from mm_oval.files import atomic_write_json
 
@@ -199,8 +200,6 @@ def bench_lowrank_score(args, device: torch.device, dtype: torch.dtype) -> list[
         t = timer(partial(K.page_score_lowrank, q, mu, basis, coef, plen), args.reps)
         rows.append(_row("pages", f"page score LOCKS/OVAL r={R}", B, N, 1.0, t, n, cuda))
         # the compact record (int4 basis, int8 centroid / coefficients, fp16 scales): the bytes it stores
-        from mm_oval.policies.page_summaries import compact_page_bases
-
         rec = compact_page_bases(mu.float(), basis.float(), coef.float())
         n = sum(v.numel() * v.element_size() for v in rec.values()) + plen.numel() * 4
         t = timer(partial(K.page_score_lowrank_compact, q, rec, plen), args.reps)
@@ -330,8 +329,6 @@ def verify_lowrank_score(device: torch.device, g: torch.Generator) -> list[Check
         page_score_lowrank_triton,
     )
     from mm_oval.kernels.lowrank_score.naive import page_score_lowrank_compact_naive, page_score_lowrank_naive
-
-    from mm_oval.policies.page_summaries import compact_page_bases
 
     case = _page_case(device, g)
     q, mu, basis, coef, plen = case

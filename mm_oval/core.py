@@ -1,6 +1,7 @@
 """The types shared by storage (`mm_oval.cache`, `mm_oval.pages`) and the methods (`mm_oval.policies`):
 modality codes, the model's RoPE, what a cache hands a policy (`PrefillContext`, `PageBatch`,
-`DecodeContext`), the typed state of one request and one step, and the budget arithmetic both use.
+`DecodeContext`), the typed state of one request and one step, the budget arithmetic both use, and
+`iter_tensors`, the tensors an object holds (what a policy reports as its own and the stats count).
 It sits below both: it imports neither.
 
 State a policy reads or writes lives in two objects owned by the cache, never in string-keyed dicts:
@@ -19,11 +20,12 @@ The wrapper fills only what the configured policies declare they need (`Eviction
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
+from transformers import PreTrainedModel
 
 from .errors import ConfigError
 
@@ -285,3 +287,34 @@ def budget_count(budget: float | int, n: torch.Tensor) -> torch.Tensor:
     if isinstance(budget, int):
         return n.clamp(max=budget)
     return torch.ceil(n.double() * budget - 1e-9).long().clamp(min=0).minimum(n)
+
+
+_SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from `obj` through dicts (values), lists, tuples, sets, dataclass instances
+    and `nn.Module`s (their parameters, buffers and tensor attributes). Other objects, and a Hugging Face
+    model (the served model's weights) or an object marking itself `part_of_served_model` (e.g. the RoPE
+    module the policies share with the model), are not entered."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            yield o
+            continue
+        if (
+            isinstance(o, _SCALARS)
+            or isinstance(o, PreTrainedModel)
+            or getattr(type(o), "part_of_served_model", False)
+            or id(o) in seen
+        ):
+            continue  # a policy may refer to the model it serves (or a module of it): its weights are not the method's
+        seen.add(id(o))
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif isinstance(o, torch.nn.Module) or (is_dataclass(o) and not isinstance(o, type)):
+            stack.extend(vars(o).values())

@@ -36,9 +36,9 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoProcessor
 
+from .bundled import resolve_model_path
 from .errors import ConfigError, DataError, ModelError
 from .geometry import SUPPORTED_CLASSES
-from .zoo import bundled576_model_path, bundled_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +54,6 @@ _SAVE_HINT = (
 def _brief(e: BaseException) -> str:
     """An exception's text on one line (the CLI prints errors as one line)."""
     return " ".join(str(e).split())
-
-
-def resolve_model_path(spec: str | Path) -> str:
-    """`bundled` / `bundled576` -> the bundled tiny LLaVAs' folders (64 and 576 image tokens); anything else
-    as given (a local path or a Hub id)."""
-    if str(spec) == "bundled":
-        return str(bundled_model_path())
-    if str(spec) == "bundled576":
-        return str(bundled576_model_path())
-    return str(spec)
 
 
 def _check_safetensors(path: Path, folder: Path) -> None:

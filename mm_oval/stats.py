@@ -55,49 +55,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
-from transformers import PreTrainedModel
 
-from .core import topk_mask
+from .core import iter_tensors, topk_mask  # noqa: F401 (iter_tensors: the counter walks objects with it)
 from .errors import ConfigError
 from .measures import attention_mass_captured, exact_attention, page_mass
+from .policies.router2 import CO_READ_WINDOW  # the monitor's co-read window is router v2's
 
-CO_READ_WINDOW = 8  # steps of page reads a co-read graph holds (router v2's default gcn_window)
 ALLOCATED_KINDS = ("kv", "summaries", "metadata", "method_state")
 _KV_ATTRS = ("_k", "_v", "keys", "values")
-_SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from `obj` through dicts (values), lists, tuples, sets, dataclass instances
-    and `nn.Module`s (their parameters, buffers and tensor attributes). Other objects, and a Hugging Face
-    model (the served model's weights) or an object marking itself `part_of_served_model` (e.g. the RoPE
-    module the policies share with the model), are not entered."""
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            yield o
-            continue
-        if (
-            isinstance(o, _SCALARS)
-            or isinstance(o, PreTrainedModel)
-            or getattr(type(o), "part_of_served_model", False)
-            or id(o) in seen
-        ):
-            continue  # a policy may refer to the model it serves (or a module of it): its weights are not the method's
-        seen.add(id(o))
-        if isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            stack.extend(o)
-        elif isinstance(o, torch.nn.Module) or (dataclasses.is_dataclass(o) and not isinstance(o, type)):
-            stack.extend(vars(o).values())
 
 
 def _storage(t: torch.Tensor) -> tuple[Any, int]:

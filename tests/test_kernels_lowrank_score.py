@@ -118,8 +118,7 @@ def test_the_compact_kernel_reads_the_record_as_stored_and_scores_what_the_refer
     coefficients and their scales in registers and gives the reference's scores (which unpacks to fp32)."""
     from mm_oval.kernels import page_score_lowrank_compact
     from mm_oval.kernels.lowrank_score.kernel import page_score_lowrank_compact_triton
-
-    from mm_oval.policies.page_summaries import compact_page_bases, scoring_operands
+    from mm_oval.kernels.lowrank_score.record import compact_page_bases, scoring_operands
 
     q, mu, basis, coef, lengths, _ = summaries(B, Hkv, G, D, P, T, R, seed=D + P)
     rec = compact_page_bases(mu, basis, coef)
@@ -137,8 +136,7 @@ def test_the_compact_kernel_reads_the_record_as_stored_and_scores_what_the_refer
 
 def test_a_compact_record_with_a_missing_part_is_a_config_error():
     from mm_oval.kernels import page_score_lowrank_compact
-
-    from mm_oval.policies.page_summaries import compact_page_bases
+    from mm_oval.kernels.lowrank_score.record import compact_page_bases
 
     q, mu, basis, coef, lengths, _ = summaries(1, 1, 1, 16, 3, 4, 2, seed=1)
     rec = compact_page_bases(mu, basis, coef)
@@ -152,8 +150,7 @@ def test_the_cpu_path_unpacks_the_basis_in_chunks_without_changing_a_score(monke
     """Off CUDA the compact basis is unpacked a few KV heads at a time into one small buffer: the scores
     do not depend on how many chunks that takes (one head per chunk, a chunk across batch rows, one chunk)."""
     from mm_oval.kernels.lowrank_score import naive
-
-    from mm_oval.policies.page_summaries import compact_page_bases, scoring_operands
+    from mm_oval.kernels.lowrank_score.record import compact_page_bases, scoring_operands
 
     q, mu, basis, coef, lengths, _ = summaries(2, 3, 2, 33, 7, 8, 3, seed=11)
     rec = compact_page_bases(mu, basis, coef)

@@ -2,7 +2,8 @@
 a page of tokens k_i = mu + B c_i (centroid mu, basis B (D x R), coefficients c_i) scores
 logsumexp_i scale * (q . mu + (B^T q) . c_i) for a query head, the estimated log attention mass of the
 page; `page_score_lowrank_naive` combines a KV head's query heads (common.gqa.combine_gqa).
-How the summaries are built: mm_oval.policies.page_summaries. Layout: docs/kernels.md.
+How the float summaries are built: mm_oval.policies.page_summaries; the compact record: record.py.
+Layout: docs/kernels.md.
 
 This is also the path off CUDA, so it is written as batched matrix products over the stored layouts
 (no einsum, which would permute and copy the (P, D, R) bases at every step), over the coefficient rows up
@@ -92,7 +93,7 @@ def page_score_lowrank_compact_naive(
     page_len: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """LOCKS / OVAL page scores of a compact record (mm_oval.policies.page_summaries.compact_page_bases),
+    """LOCKS / OVAL page scores of a compact record (record.compact_page_bases),
     GQA-combined: the scores of the dequantised record (`scoring_operands`) under the float definition
     above, computed on the stored levels. The basis is unpacked to its nibbles (level + 8) and multiplied
     by the query as they are, the + 8 taken off the (P, G, R) product, and the column, coefficient and

@@ -39,6 +39,7 @@ from ..core import (  # noqa: F401
     StepState,
     budget_count,
     fill_by_score,
+    iter_tensors,
     select_by_score,
     topk_mask,
 )
@@ -51,7 +52,6 @@ from ..registry import (  # noqa: F401
     register_eviction,
     register_retrieval,
 )
-from ..stats import iter_tensors
 
 
 class EvictionPolicy:

@@ -29,6 +29,23 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..kernels.common.quant import (  # noqa: F401 (the policies' and router's quantisers)
+    INT4_LEVEL,
+    INT8_LEVEL,
+    dequantize_int4_columns,
+    dequantize_int8,
+    fp16_scale,
+    int4_levels,
+    quantize_int4_columns,
+    quantize_int8,
+    safe_scale,
+)
+from ..kernels.lowrank_score.record import (  # noqa: F401 (the compact LOCKS / OVAL record)
+    compact_basis_bytes,
+    compact_page_bases,
+    expand_page_bases,
+    scoring_operands,
+)
 
 
 @dataclass
@@ -176,16 +193,9 @@ def key_bounds(keys: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tens
 
 # ---- compact summaries: the records stored quantised ----------------------------------------------------
 #
-# Symmetric round-to-nearest quantisers with fp16 scales, and the compact LOCKS / OVAL and Quest records
-# built from them. A scale is the largest magnitude it covers over the largest level (7 for int4, 127 for
-# int8), made fp16 and rounded up, so that no value falls outside the levels; an all-zero group has scale 0.
-# Bytes of one page of the compact LOCKS / OVAL record (`compact_basis_bytes`), D channels, rank r, T tokens:
-#   basis     ceil(D/2) r  (int4, two per byte)  + 2 r  (one fp16 scale per basis column)
-#   coef      T r          (int8, real tokens)   + 2    (one fp16 scale per page)
-#   centroid  D            (int8)                + 2    (one fp16 scale per page)
+# The quantisers and the compact LOCKS / OVAL record are the kernels' storage formats
+# (mm_oval.kernels.common.quant, mm_oval.kernels.lowrank_score.record); Quest's compact record is below.
 
-INT4_LEVEL = 7
-INT8_LEVEL = 127
 SUMMARY_FORMATS = ("float", "compact")
 
 
@@ -200,119 +210,6 @@ def check_summary_format(method: str, value: object) -> str:
     return str(value)
 
 
-def _fp16_scale(amax: torch.Tensor, level: int) -> torch.Tensor:
-    """An fp16 scale for a group of largest magnitude amax, as small as fp16 allows with level * scale >= amax
-    (the product is exact in fp32), 0 only when amax is 0; groups beyond 65504 * level saturate at 65504."""
-    a = amax.float()
-    s = (a / level).clamp(max=65504.0).to(torch.float16)
-    for _ in range(2):  # fp16 (and the fp32 quotient) round to nearest: step up to the next fp16 where short
-        short = (s.float() * level < a) & (s < 65504.0)
-        s = torch.where(short, (s.view(torch.int16) + 1).view(torch.float16), s)
-    return s
-
-
-def _safe(scale: torch.Tensor) -> torch.Tensor:
-    s = scale.float()
-    return torch.where(s > 0, s, torch.ones_like(s))
-
-
-def quantize_int4_columns(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Basis (..., D, r) -> packed (..., H, r) uint8 with H = ceil(D/2), and scale (..., r) fp16, one scale
-    per column.
-
-    Each entry is round(x / scale) in [-7, 7] (symmetric, round to nearest), stored as the nibble x + 8;
-    byte j of a column holds row j (low nibble) and row H + j (high nibble), the two halves of the column
-    (an odd D is padded with a zero row). H r + 2 r bytes; `dequantize_int4_columns` undoes it to within
-    scale / 2 per entry."""
-    x = basis.float()
-    d = x.shape[-2]
-    scale = _fp16_scale(x.abs().amax(-2), INT4_LEVEL)  # (..., r)
-    q = torch.round(x / _safe(scale).unsqueeze(-2)).clamp(-INT4_LEVEL, INT4_LEVEL)
-    q = (q + 8).to(torch.uint8)  # 1 .. 15
-    if d % 2:
-        q = torch.nn.functional.pad(q, (0, 0, 0, 1), value=8)
-    half = q.shape[-2] // 2
-    packed = q[..., :half, :] | (q[..., half:, :] << 4)
-    return packed, scale
-
-
-def int4_levels(packed: torch.Tensor, d: int) -> torch.Tensor:
-    """The levels (integers in [-7, 7], as fp32) of a `quantize_int4_columns` record:
-    (..., H, r) -> (..., D, r)."""
-    half = packed.shape[-2]
-    out = packed.new_empty((*packed.shape[:-2], 2 * half, packed.shape[-1]), dtype=torch.float32)
-    # one pass each straight into the fp32 result: the unpacking costs little more than writing it
-    out[..., :half, :] = packed & 0x0F
-    out[..., half:, :] = packed >> 4
-    return out[..., :d, :].sub_(8)
-
-
-def dequantize_int4_columns(packed: torch.Tensor, scale: torch.Tensor, d: int) -> torch.Tensor:
-    """Inverse of `quantize_int4_columns`: packed (..., H, r) uint8, scale (..., r) -> (..., D, r) fp32."""
-    return int4_levels(packed, d).mul_(scale.float().unsqueeze(-2))
-
-
-def quantize_int8(x: torch.Tensor, group_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., *group) -> int8 of x's shape and scale (...) fp16: one scale per group of the last `group_dims`
-    dims, round(x / scale) in [-127, 127]. numel + 2 bytes per group; back within scale / 2 per entry."""
-    xf = x.float()
-    dims = tuple(range(-group_dims, 0))
-    scale = _fp16_scale(xf.abs().amax(dims), INT8_LEVEL)
-    s = _safe(scale).reshape(*scale.shape, *([1] * group_dims))
-    return torch.round(xf / s).clamp(-INT8_LEVEL, INT8_LEVEL).to(torch.int8), scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of `quantize_int8`: q (..., *group) int8, scale (...) -> fp32 of q's shape."""
-    extra = q.dim() - scale.dim()
-    return q.float() * scale.float().reshape(*scale.shape, *([1] * extra))
-
-
-def compact_page_bases(
-    centroid: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """The compact LOCKS / OVAL record of pages: centroid (..., P, D), basis (..., P, D, r), coef
-    (..., P, T, r) (rows past a page's tokens zero) -> {mu_q (..., P, D) int8, mu_scale (..., P) fp16,
-    basis_q (..., P, ceil(D/2), r) uint8, basis_scale (..., P, r) fp16, coef_q (..., P, T, r) int8,
-    coef_scale (..., P) fp16}: the centroid int8 with one scale per page, the basis int4 with one scale per
-    column, the coefficients int8 with one scale per page. Bytes read per page: `compact_basis_bytes`."""
-    mu_q, mu_scale = quantize_int8(centroid, 1)
-    basis_q, basis_scale = quantize_int4_columns(basis)
-    coef_q, coef_scale = quantize_int8(coef, 2)
-    return {
-        "mu_q": mu_q,
-        "mu_scale": mu_scale,
-        "basis_q": basis_q,
-        "basis_scale": basis_scale,
-        "coef_q": coef_q,
-        "coef_scale": coef_scale,
-    }
-
-
-def expand_page_bases(record: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of `compact_page_bases`: (centroid, basis, coef) in fp32, the page-scoring kernel's layout."""
-    mu = dequantize_int8(record["mu_q"], record["mu_scale"])
-    basis = dequantize_int4_columns(record["basis_q"], record["basis_scale"], mu.shape[-1])
-    return mu, basis, dequantize_int8(record["coef_q"], record["coef_scale"])
-
-
-def scoring_operands(record: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the page-scoring kernel takes for a compact record, fp32: (centroid, basis levels, coefficients
-    times the basis column scales). B c_i is that of `expand_page_bases` (column j of B is levels_j s_j: s_j
-    moves to row j of the coefficients), so the scores are the same; the large basis is only unpacked."""
-    mu = dequantize_int8(record["mu_q"], record["mu_scale"])
-    levels = int4_levels(record["basis_q"], mu.shape[-1])
-    coef = dequantize_int8(record["coef_q"], record["coef_scale"])
-    return mu, levels, coef.mul_(record["basis_scale"].float().unsqueeze(-2))
-
-
-def compact_basis_bytes(d: int, r: int, page_len: torch.Tensor) -> torch.Tensor:
-    """Bytes of a page's compact LOCKS / OVAL record that scoring reads: the packed basis and its column
-    scales, the int8 coefficients of the page's `page_len` tokens and their scale, the int8 centroid and its
-    scale (the coefficient rows padding a page are not read)."""
-    return (d + 1) // 2 * r + 2 * r + page_len.long() * r + 2 + d + 2
-
-
 def compact_key_bounds(kmin: torch.Tensor, kmax: torch.Tensor) -> dict[str, torch.Tensor]:
     """Quest's compact record: kmin, kmax (..., P, D) -> {kmin_q, kmax_q (..., P, D) int8, bound_scale
     (..., P) fp16}, one scale per page for both, rounded outward (kmin down, kmax up: dequantised,
@@ -320,8 +217,8 @@ def compact_key_bounds(kmin: torch.Tensor, kmax: torch.Tensor) -> dict[str, torc
     stays an upper bound of scale * q . k for every key of the page (for keys up to 65504 * 127 in
     magnitude). 2 D + 2 bytes per page."""
     lo, hi = kmin.float(), kmax.float()
-    scale = _fp16_scale(torch.maximum(lo.abs().amax(-1), hi.abs().amax(-1)), INT8_LEVEL)
-    s = _safe(scale).unsqueeze(-1)
+    scale = fp16_scale(torch.maximum(lo.abs().amax(-1), hi.abs().amax(-1)), INT8_LEVEL)
+    s = safe_scale(scale).unsqueeze(-1)
     qlo = torch.floor(lo / s)
     qlo = torch.where(qlo * s > lo, qlo - 1, qlo)  # a division rounded up: one level further out
     qhi = torch.ceil(hi / s)

@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, ModelError
-from ..stats import CO_READ_WINDOW
 from .base import (
     IMAGE,
     BytesBudget,
@@ -63,6 +62,9 @@ from .router import (
     save_weights_dir,
 )
 
+# steps of page reads the co-read graph holds by default; the retrieval monitor's co-read density
+# (mm_oval.stats) uses the same window, so it measures the graph this router would see
+CO_READ_WINDOW = 8
 WEIGHTS_FILE = "router2.safetensors"
 CONFIG_FILE = "router2.json"
 BASES = ("quest", "oval")
@@ -87,7 +89,7 @@ class Router2Config:
     content: bool = True  # the content x text-state term
     locality: bool = False  # the distance-decay term (off by default: it added nothing over content)
     gcn: bool = False  # the co-read graph term
-    gcn_window: int = CO_READ_WINDOW  # steps of page reads the co-read graph holds (the monitor's window too)
+    gcn_window: int = CO_READ_WINDOW  # steps of page reads the co-read graph holds
     model: dict[str, Any] = field(default_factory=dict)
     page_init: str = "pca"
     # a KV head whose step reads fewer pages than this uses its base's choice: below it, the correction

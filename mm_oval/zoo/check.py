@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from ..bundled import resolve_data
 from ..errors import DataError, ModelError
 from ..modelfiles import load_model
 from ..prompts import chat_prompt, short_answer_prompt
@@ -238,8 +239,6 @@ def grounding_report(model_path: str | Path | None = None, data_dir: str | Path 
         model, processor = load_model(model_path, "cpu", attn_implementation="eager")
     grid = model_grid(model)
     if data_dir:
-        from ..eval.tasks import resolve_data  # `bundled` / `bundled576` name the bundled dev sets
-
         data_dir = resolve_data(data_dir)
     else:
         data_dir = bundled_data_for_grid(grid)
