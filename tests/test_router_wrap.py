@@ -1,6 +1,7 @@
 """The router inside the wrapped tiny LLaVA, `mm-oval train-router` end to end, and the open_clip path."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -141,6 +142,14 @@ def test_open_clip_encoder_embeds_crops_and_text_into_one_space_and_fits_the_pag
     assert router.config.page_init == f"open_clip:{tiny_clip_name}"
     with pytest.raises(ConfigError, match="route_dim"):
         clip_page_init(new_router(model, route_dim=8), samples, enc, tiny_clip_name)
+
+
+def test_open_clip_missing_is_a_clear_error_naming_the_extra(monkeypatch):
+    from mm_oval.training.router import OpenClipPageEncoder
+
+    monkeypatch.setitem(sys.modules, "open_clip", None)  # what `import open_clip` meets when not installed
+    with pytest.raises(ConfigError, match=r"pip install 'mm-oval\[router-train\]'"):
+        OpenClipPageEncoder("ViT-B-32")
 
 
 def test_open_clip_weights_that_cannot_be_loaded_offline_are_a_clear_error(tiny_clip_name, tmp_path):

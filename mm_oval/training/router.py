@@ -514,14 +514,30 @@ def new_router(model: Any, **sizes: Any) -> HybridRouter:
 # open_clip: a user-supplied CLIP checkpoint that embeds image crops and text into one space
 
 
+OPEN_CLIP_INSTALL = "pip install 'mm-oval[router-train]'"
+
+
+def import_open_clip():
+    """The open_clip module, an optional dependency (the `router-train` extra), or a ConfigError that says
+    how to install it."""
+    try:
+        import open_clip
+    except ImportError as e:
+        raise ConfigError(
+            "initialising router page embeddings from a CLIP checkpoint (--clip-model) needs open_clip, an "
+            f"optional dependency: {OPEN_CLIP_INSTALL} (or pip install open_clip_torch); without "
+            "--clip-model the router is initialised from the model's own features"
+        ) from e
+    return open_clip
+
+
 class OpenClipPageEncoder:
     """Embeds page image crops and page text with an open_clip model. `pretrained=None` builds the
     architecture with random weights (tests); a tag or a local checkpoint path loads real weights, and one
     that cannot be loaded offline raises ModelError."""
 
     def __init__(self, model_name: str, pretrained: str | None = None, device: str = "cpu"):
-        import open_clip
-
+        open_clip = import_open_clip()
         if model_name not in open_clip.list_models():
             raise ConfigError(
                 f"unknown open_clip model {model_name!r}; known e.g. ViT-B-32, RN50 (open_clip.list_models())"
