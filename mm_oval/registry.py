@@ -19,7 +19,17 @@ from .errors import ConfigError, MmOvalError
 EVICTION_REGISTRY: dict[str, type] = {}
 RETRIEVAL_REGISTRY: dict[str, type] = {}
 _SPEC_CHECKS: list[Callable[[str, dict[str, Any], str], None]] = []
-_BUILTIN_FAMILIES = ("heuristics", "kvp", "pagebases", "router", "router2", "expected", "kvzip", "budgets")
+_BUILTIN_FAMILIES = (
+    "heuristics",
+    "quest",
+    "kvp",
+    "pagebases",
+    "router",
+    "router2",
+    "expected",
+    "kvzip",
+    "budgets",
+)
 
 
 def register_eviction(cls: type) -> type:

@@ -315,7 +315,7 @@ def test_quest_reads_its_share_and_all_pages_change_nothing(model_and_processor)
 
 def test_quest_scores_bound_the_true_logits():
     from mm_oval.policies.base import DecodeContext, PageBatch
-    from mm_oval.policies.heuristics import Quest
+    from mm_oval.policies.quest import Quest
 
     torch.manual_seed(0)
     B, H, G, P, T, D = 1, 2, 2, 5, 4, 8

@@ -14,19 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..kernels import page_score_quest
-from .base import (
-    IMAGE,
-    PAD,
-    DecodeContext,
-    EvictionPolicy,
-    PageBatch,
-    PrefillContext,
-    RetrievalPolicy,
-    register_eviction,
-    register_retrieval,
-)
-from .page_summaries import check_summary_format, compact_key_bounds, key_bounds
+from .base import IMAGE, PAD, EvictionPolicy, PrefillContext, register_eviction
 
 # ---- attention rows, chunked ----------------------------------------------------------------------
 
@@ -254,36 +242,3 @@ class FastV(EvictionPolicy):
         if rank is None:
             raise ConfigError(f"fastv: layer={self.layer} is not a layer of this model")
         return _per_kv_head(ctx, rank.masked_fill(ctx.modality == PAD, 0.0))
-
-
-# ---- retrieval baseline ----------------------------------------------------------------------------
-
-
-@register_retrieval
-@dataclass
-class Quest(RetrievalPolicy):
-    """Quest (Tang et al. 2024): per page and channel, the min and max key; a page's score for query q is
-    the upper bound `scale * sum_c max(q_c min_c, q_c max_c)`; the query heads of a KV head are combined
-    as log(mean_g softmax_pages(score_g)). Both are the page_score_quest kernel's (mm_oval.kernels).
-    Option summary_format: "float" (min / max in the keys' dtype, as its authors store them: the min and max
-    of keys are keys' values, so exact) or "compact" (int8 with one fp16 scale per page, rounded outward so
-    the score stays an upper bound: page_summaries.compact_key_bounds)."""
-
-    name = "quest"
-    summary_format: str = "float"
-
-    def __post_init__(self) -> None:
-        self.summary_format = check_summary_format(self.name, self.summary_format)
-
-    def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
-        kmin, kmax = key_bounds(pages.keys, pages.mask)
-        if self.summary_format == "compact":
-            return compact_key_bounds(kmin, kmax)
-        return {"kmin": kmin.to(pages.keys.dtype), "kmax": kmax.to(pages.keys.dtype)}
-
-    def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
-        q = ctx.query[:, :, -1]  # (B, Hq, D): the newest query row
-        if self.summary_format == "compact":  # the int8 levels, scaled per page after the product
-            r = ctx.summaries
-            return page_score_quest(q, r["kmin_q"], r["kmax_q"], ctx.page_len, ctx.scaling, r["bound_scale"])
-        return page_score_quest(q, ctx.summaries["kmin"], ctx.summaries["kmax"], ctx.page_len, ctx.scaling)

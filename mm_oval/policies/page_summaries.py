@@ -1,7 +1,7 @@
 """Page summaries that let a page be scored without reading its keys: LOCKS (key PCA, eta = 0) and OVAL
 (output-aware bases, eta > 0) low-rank bases, and Quest's per-channel key bounds. Scoring them is the
 kernels' (mm_oval.kernels: page_score_lowrank, page_score_quest); the policies are in pagebases.py
-(LOCKS, OVAL) and heuristics.py (Quest).
+(LOCKS, OVAL) and quest.py (Quest).
 
 For one page of T tokens (per batch row and KV head), with keys K (T x D) and values V (T x D):
 
