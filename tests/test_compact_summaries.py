@@ -247,7 +247,7 @@ def test_compact_summary_bytes_count_the_packed_basis_the_tokens_coefficients_th
         first_page=0, module=_Module(),
     )  # fmt: skip
     sm = pol.summarize(batch)
-    assert sm["coef_q"].shape == (1, 2, 5, 32, 8)  # padded to max_page_tokens like the float record
+    assert sm["coef_q"].shape == (1, 2, 5, 32, 8)  # padded to coef_rows like the float record
     assert (sm["coef_q"][..., 16:, :] == 0).all() and (sm["coef_q"][..., :16, :][~mask] == 0).all()
     plen = mask.sum(-1)
     got = pol.summary_bytes(sm, plen)

@@ -187,7 +187,7 @@ def test_policies_summarize_batches_of_pages_that_concatenate_and_score_like_the
     model, _ = tiny_random_llava
     module = model.model.language_model.layers[1].self_attn
     d = module.head_dim
-    policy = make_retrieval(name, rank=8, max_page_tokens=16, summary_format="float", **options)  # exact
+    policy = make_retrieval(name, rank=8, coef_rows=16, summary_format="float", **options)  # exact
     torch.manual_seed(7)
     # prompt pages of 4 tokens (image tiles, one partly evicted), then a closed 8-token decode page
     k1 = torch.randn(1, 2, 3, 4, d)
@@ -236,9 +236,21 @@ def test_oval_needs_the_layer_module_and_pages_must_fit_the_coefficient_store():
     m = torch.ones(1, 1, 2, 8, dtype=torch.bool)
     with pytest.raises(ConfigError, match="module"):
         make_retrieval("oval").summarize(_page_batch(k, m))
-    with pytest.raises(ConfigError, match="max_page_tokens"):
-        make_retrieval("locks", max_page_tokens=4).summarize(_page_batch(k, m))
+    with pytest.raises(ConfigError, match="coef_rows"):
+        make_retrieval("locks", coef_rows=4).summarize(_page_batch(k, m))
     with pytest.raises(ConfigError, match="eta"):
         make_retrieval("oval", eta=2)
     with pytest.raises(ConfigError, match="eta"):
         make_retrieval("locks", eta=0.5)
+
+
+def test_the_former_spelling_max_page_tokens_still_sets_coef_rows_with_a_warning():
+    from mm_oval.policies.base import make_retrieval
+
+    with pytest.warns(FutureWarning, match="now called coef_rows"):
+        policy = make_retrieval("oval", max_page_tokens=16)
+    assert policy.coef_rows == 16 and policy.max_page_tokens is None
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="coef_rows=4"):
+        make_retrieval("locks", max_page_tokens=4).summarize(
+            _page_batch(torch.randn(1, 1, 2, 8, 16), torch.ones(1, 1, 2, 8, dtype=torch.bool))
+        )

@@ -7,6 +7,7 @@ the group, as a log)."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -38,28 +39,40 @@ class _BasisRetrieval(RetrievalPolicy):
 
     rank: int = 8
     eta: float = 0.0
-    max_page_tokens: int = 32  # page capacity T of the stored coefficients (pages are padded to it)
+    coef_rows: int = 32  # coefficient rows stored per page: pages up to this many tokens, padded to it
     # "compact" (the default, as OVAL's and LOCKS's released code store it): int4 basis with per-column scales,
     # int8 coefficients and centroid (docs/oval.md); "float": the exactness reference, in the keys' dtype
     summary_format: str = "compact"
+    # the former spelling of coef_rows (read as coef_rows, with a FutureWarning); unrelated to
+    # OvalConfig.max_page_tokens, the largest dynamic page
+    max_page_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_page_tokens is not None:
+            warnings.warn(
+                f"{self.name}: the retrieval option max_page_tokens is now called coef_rows (the coefficient "
+                f"rows stored per page; OvalConfig.max_page_tokens is the largest dynamic page): pass "
+                f"retrieval_options={{'coef_rows': {self.max_page_tokens!r}}}",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.coef_rows, self.max_page_tokens = self.max_page_tokens, None
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"{self.name}: rank must be an int >= 1, got {self.rank!r}")
         if not isinstance(self.eta, (int, float)) or not 0.0 <= float(self.eta) <= 1.0:
             raise ConfigError(f"{self.name}: eta must lie in [0, 1], got {self.eta!r}")
-        if isinstance(self.max_page_tokens, bool) or not isinstance(self.max_page_tokens, int):
-            raise ConfigError(f"{self.name}: max_page_tokens must be an int, got {self.max_page_tokens!r}")
+        if isinstance(self.coef_rows, bool) or not isinstance(self.coef_rows, int):
+            raise ConfigError(f"{self.name}: coef_rows must be an int, got {self.coef_rows!r}")
         self.eta = float(self.eta)
         self.summary_format = check_summary_format(self.name, self.summary_format)
         self._metrics: dict = {}
 
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
         t = pages.keys.shape[-2]
-        if t > self.max_page_tokens:
+        if t > self.coef_rows:
             raise ConfigError(
-                f"{self.name}: a page of {t} tokens exceeds max_page_tokens={self.max_page_tokens}; "
-                f"pass retrieval_options={{'max_page_tokens': {t}}} or use smaller pages"
+                f"{self.name}: a page of {t} tokens exceeds coef_rows={self.coef_rows}; "
+                f"pass retrieval_options={{'coef_rows': {t}}} or use smaller pages"
             )
         metric = None
         if self.eta > 0:
@@ -69,14 +82,14 @@ class _BasisRetrieval(RetrievalPolicy):
         s = page_bases(
             pages.keys, pages.mask, rank=self.rank, eta=self.eta, values=pages.values, metric=metric
         )
-        coef = torch.nn.functional.pad(s.coeffs, (0, 0, 0, self.max_page_tokens - t))
+        coef = torch.nn.functional.pad(s.coeffs, (0, 0, 0, self.coef_rows - t))
         if self.summary_format == "compact":
             return compact_page_bases(s.centroid, s.basis, coef)
         return {"mu": s.centroid, "basis": s.basis, "coef": coef}
 
     def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
         """Per page: the centroid (D) and basis (D r) and the coefficients of its real tokens (T r), in the
-        summaries' dtype; the coefficient rows padding a page to max_page_tokens are not read. Compact
+        summaries' dtype; the coefficient rows padding a page to coef_rows are not read. Compact
         records: `page_summaries.compact_basis_bytes` (packed basis, int8 coefficients and centroid,
         their scales)."""
         if self.summary_format == "compact":
@@ -104,7 +117,7 @@ class _BasisRetrieval(RetrievalPolicy):
 @register_retrieval
 @dataclass
 class LocksRetrieval(_BasisRetrieval):
-    """LOCKS: page-local key PCA (the eta = 0 case of OVAL). Options: rank (8), max_page_tokens (32),
+    """LOCKS: page-local key PCA (the eta = 0 case of OVAL). Options: rank (8), coef_rows (32),
     summary_format ("float" or "compact")."""
 
     name: ClassVar[str] = "locks"
@@ -119,7 +132,7 @@ class LocksRetrieval(_BasisRetrieval):
 @dataclass
 class OvalRetrieval(_BasisRetrieval):
     """OVAL: output-aware page bases. Options: eta (0.5; 0 = LOCKS, 1 = output-only), rank (8),
-    max_page_tokens (32), summary_format ("float" or "compact")."""
+    coef_rows (32), summary_format ("float" or "compact")."""
 
     name: ClassVar[str] = "oval"
     eta: float = 0.5
