@@ -30,7 +30,7 @@ from mm_oval.policies.budgets import pyramid_counts, shared_head_keep
 from mm_oval.policies.kvp_agents import KVPAgentConfig
 from mm_oval.policies.kvp_io import bundled_agents_path, load_agents
 from mm_oval.training.kvp import (
-    TrainConfig,
+    KVPTrainConfig,
     agent_scorer,
     eligible_mask,
     heldout_cost,
@@ -278,15 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     # 3. ablations, trained identically on the same traces
     if args.train_traces:
         train = list(iter_traces(args.train_traces))
-        tcfg = TrainConfig(
+        tcfg = KVPTrainConfig(
             **{
                 k: v
                 for k, v in loaded.training.get("train", {}).items()
-                if k in TrainConfig.__dataclass_fields__
+                if k in KVPTrainConfig.__dataclass_fields__
             }
         )
         if args.ablation_steps:
-            tcfg = TrainConfig(**{**asdict(tcfg), "steps": args.ablation_steps})
+            tcfg = KVPTrainConfig(**{**asdict(tcfg), "steps": args.ablation_steps})
         base = asdict(cfg)
         variants = {
             "per-head, all features": {},

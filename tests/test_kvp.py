@@ -19,7 +19,7 @@ from mm_oval.policies.kvp import (
 )
 from mm_oval.policies.kvp_features import EXTRA_FEATURES, extra_features
 from mm_oval.training.kvp import (
-    TrainConfig,
+    KVPTrainConfig,
     agent_scorer,
     heldout_cost,
     oracle_scorer,
@@ -327,7 +327,7 @@ def _cfg(**kw):
 
 def test_training_resumes_to_the_same_weights(random_model_traces, tmp_path):
     train, _ = random_model_traces
-    cfg = TrainConfig(steps=6, batch_samples=4, rankings=4, warmup=2, checkpoint_every=2)
+    cfg = KVPTrainConfig(steps=6, batch_samples=4, rankings=4, warmup=2, checkpoint_every=2)
     whole = train_agents(train, _cfg(), cfg, out_dir=tmp_path / "a")
 
     def stop(step, rec):
@@ -340,12 +340,14 @@ def test_training_resumes_to_the_same_weights(random_model_traces, tmp_path):
     for (name, p), q in zip(whole.agents.named_parameters(), resumed.agents.parameters()):
         assert torch.equal(p, q), name
     with pytest.raises(ResultsError, match="other settings"):
-        train_agents(train, _cfg(), TrainConfig(steps=7, batch_samples=4), out_dir=tmp_path / "b")
+        train_agents(train, _cfg(), KVPTrainConfig(steps=7, batch_samples=4), out_dir=tmp_path / "b")
 
 
 def test_trained_agents_beat_random_on_heldout_traces(random_model_traces):
     train, held = random_model_traces
-    res = train_agents(train, _cfg(), TrainConfig(steps=40, batch_samples=8, rankings=8, warmup=5, lr=3e-3))
+    res = train_agents(
+        train, _cfg(), KVPTrainConfig(steps=40, batch_samples=8, rankings=8, warmup=5, lr=3e-3)
+    )
     kvp = heldout_cost(agent_scorer(res.agents), held, 4, 16)
     rnd = heldout_cost(random_scorer(0), held, 4, 16)
     opt = heldout_cost(oracle_scorer, held, 4, 16)
@@ -423,7 +425,7 @@ def test_the_pipeline_is_a_library_call_and_its_baselines_are_the_registered_pol
 
     model, processor = tiny_random_llava
     cfg = PipelineConfig(data="zoo:train:4", heldout_samples=2, store_queries=False)
-    result = train(model, processor, tmp_path, cfg, TrainConfig(steps=2, batch_samples=4))
+    result = train(model, processor, tmp_path, cfg, KVPTrainConfig(steps=2, batch_samples=4))
     assert json.loads((tmp_path / "heldout.json").read_text()) == json.loads(json.dumps(result.heldout))
     assert load_agents(tmp_path).training["heldout_cost"]["kvp"] == result.heldout["kvp"]["cost"]
     held = load_traces([tmp_path / "traces" / "heldout"])
@@ -458,12 +460,12 @@ def test_keydiff_on_traces_is_the_policy_with_its_padding_mask():
 
 
 def test_joint_heads_training_ranks_a_layers_heads_together_and_the_policy_keeps_its_scale():
-    from mm_oval.training.kvp import Batch, contexts
+    from mm_oval.training.kvp import TraceBatch, contexts
 
     L, H, B, N = 2, 2, 3, 5
     cfg = KVPAgentConfig(num_layers=L, num_kv_heads=H, head_dim=8, joint_heads=True)
     scores = torch.arange(L * H * B * N, dtype=torch.float).reshape(L * H, B, N)
-    batch = Batch(
+    batch = TraceBatch(
         keys=torch.zeros(0),
         values=torch.zeros(0),
         positions=torch.zeros(0),

@@ -34,22 +34,22 @@ def _hostile_checkpoint(path: pathlib.Path, target: pathlib.Path, **fields) -> p
 
 def test_a_kvp_resume_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
     from mm_oval.policies.kvp import KVPAgentConfig
-    from mm_oval.training.kvp import CHECKPOINT, TrainConfig, train_agents
+    from mm_oval.training.kvp import CHECKPOINT, KVPTrainConfig, train_agents
 
     target = tmp_path / "created_by_unpickling"
     _hostile_checkpoint(tmp_path / "run" / CHECKPOINT, target, step=0, history=[])
     cfg = KVPAgentConfig(num_layers=1, num_kv_heads=1, head_dim=8, proj=8, hidden=8, pos_table=16)
     with pytest.raises(DataError, match="not loaded"):
-        train_agents([{}], cfg, TrainConfig(steps=1), out_dir=tmp_path / "run")
+        train_agents([{}], cfg, KVPTrainConfig(steps=1), out_dir=tmp_path / "run")
     assert not target.exists()
 
 
 def test_zoo_train_init_from_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
-    from mm_oval.zoo.train import TrainConfig, Trainer
+    from mm_oval.zoo.train import TinyLlavaTrainConfig, Trainer
 
     target = tmp_path / "created_by_unpickling"
     ckpt = _hostile_checkpoint(tmp_path / "old" / "train_state.ckpt.pt", target, step=1)
-    cfg = TrainConfig(steps=1, vision_steps=1, vision_batch=2, images_per_batch=1, questions_per_image=1,
+    cfg = TinyLlavaTrainConfig(steps=1, vision_steps=1, vision_batch=2, images_per_batch=1, questions_per_image=1,
                       eval_items=1, init_from=str(ckpt))  # fmt: skip
     with pytest.raises(DataError, match="not loaded"):
         Trainer(tmp_path / "new", cfg).run()

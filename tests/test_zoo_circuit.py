@@ -11,7 +11,7 @@ from mm_oval.errors import ConfigError, ModelError
 from mm_oval.zoo import circuit
 from mm_oval.zoo.generate import GRID, TrainSampler
 from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava
-from mm_oval.zoo.train import TrainConfig, patch_labels
+from mm_oval.zoo.train import TinyLlavaTrainConfig, patch_labels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SIZES = TinyLlavaSizes(text_head_dim=64, rope_theta=1e6)
@@ -114,8 +114,8 @@ def test_the_circuit_refuses_a_model_of_another_shape():
 
 def test_training_after_the_circuit_takes_the_language_loss_only():
     with pytest.raises(ConfigError, match="--attn-weight"):
-        TrainConfig(circuit=True, steps=10).validate()
-    TrainConfig(circuit=True, steps=10, attn_weight=0.0).validate()
-    TrainConfig(circuit=True, steps=0).validate()
+        TinyLlavaTrainConfig(circuit=True, steps=10).validate()
+    TinyLlavaTrainConfig(circuit=True, steps=10, attn_weight=0.0).validate()
+    TinyLlavaTrainConfig(circuit=True, steps=0).validate()
     with pytest.raises(ConfigError, match="steps"):
-        TrainConfig(steps=0).validate()
+        TinyLlavaTrainConfig(steps=0).validate()

@@ -5,7 +5,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from mm_oval.zoo.generate import TrainSampler
 from mm_oval.zoo.model import build_tiny_llava
-from mm_oval.zoo.train import Encoder, TrainConfig, Trainer, make_batch
+from mm_oval.zoo.train import Encoder, TinyLlavaTrainConfig, Trainer, make_batch
 
 
 def test_tree_batch_scores_each_question_exactly_as_a_single_turn_prompt():
@@ -33,7 +33,7 @@ def test_tree_batch_scores_each_question_exactly_as_a_single_turn_prompt():
 
 
 def test_training_smoke_resumes_and_exports_a_plain_llava(tmp_path):
-    cfg = TrainConfig(steps=2, vision_steps=2, vision_batch=2, images_per_batch=2, questions_per_image=4,
+    cfg = TinyLlavaTrainConfig(steps=2, vision_steps=2, vision_batch=2, images_per_batch=2, questions_per_image=4,
                       eval_every=2, eval_items=2, warmup=1, projector_steps=2)  # fmt: skip
     Trainer(tmp_path, cfg).run()
     assert json.loads((tmp_path / "train_log.jsonl").read_text().splitlines()[-1])["step"] == 2
@@ -62,11 +62,11 @@ def test_letter_teacher_points_each_option_word_at_its_own_letter():
 
 
 def test_init_from_continues_another_runs_weights_with_a_fresh_schedule(tmp_path):
-    cfg = TrainConfig(steps=1, vision_steps=1, vision_batch=2, images_per_batch=2, questions_per_image=2,
+    cfg = TinyLlavaTrainConfig(steps=1, vision_steps=1, vision_batch=2, images_per_batch=2, questions_per_image=2,
                       eval_every=5, eval_items=2, warmup=1, projector_steps=1)  # fmt: skip
     first = Trainer(tmp_path / "a", cfg)
     first.run()
-    cfg2 = TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "a" / "train_state.ckpt.pt"),
+    cfg2 = TinyLlavaTrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "a" / "train_state.ckpt.pt"),
                           "letter_teacher": True, "readout_weight": 1.0, "mmbench_fraction": 1.0,
                           "steps": 1})  # fmt: skip
     second = Trainer(tmp_path / "b", cfg2)
@@ -79,7 +79,9 @@ def test_init_from_continues_another_runs_weights_with_a_fresh_schedule(tmp_path
 
 
 def test_readout_loss_reads_the_letter_from_one_heads_contribution():
-    cfg = TrainConfig(images_per_batch=1, questions_per_image=3, mmbench_fraction=1.0, readout_weight=1.0)
+    cfg = TinyLlavaTrainConfig(
+        images_per_batch=1, questions_per_image=3, mmbench_fraction=1.0, readout_weight=1.0
+    )
     t = Trainer("/tmp/unused", cfg)
     from mm_oval.zoo.train import make_batch
 
@@ -117,7 +119,9 @@ def test_type_weights_oversample_a_question_type_and_reject_unknown_types():
 
 def test_circuit_recipe_smoke_exports_a_plain_llava(tmp_path):
     """--circuit: vision stage on the patch code, closed-form projector and language model, no LM steps."""
-    cfg = TrainConfig(circuit=True, steps=0, vision_steps=2, vision_batch=2, eval_items=1, questions_per_image=4)
+    cfg = TinyLlavaTrainConfig(
+        circuit=True, steps=0, vision_steps=2, vision_batch=2, eval_items=1, questions_per_image=4
+    )
     out = Trainer(tmp_path, cfg).run()
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert "code_fit" in log[0] and "heldout" in log[-1]

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..modelfiles import add_load_arguments, load_from_args
 from ..policies.kvp_agents import EXTRA_FEATURES
 from ..prompts import COMPRESS_AT
-from .kvp import PipelineConfig, TrainConfig, format_heldout, train
+from .kvp import KVPTrainConfig, PipelineConfig, format_heldout, train
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     same = {f.name: getattr(args, f.name) for f in fields(PipelineConfig) if hasattr(args, f.name)}
     same["features"] = parse_features(args.features)
     cfg = PipelineConfig(**same, store_queries=not args.no_queries)
-    train_cfg = TrainConfig(
+    train_cfg = KVPTrainConfig(
         steps=args.steps, batch_samples=args.batch, rankings=args.rankings, lr=args.lr, seed=args.seed
     )
     model, processor, _ = load_from_args(args)

@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -124,7 +125,7 @@ def eligible_mask(n_valid: torch.Tensor, n_max: int, sinks: int, recent: int) ->
 
 
 @dataclass
-class Batch:
+class TraceBatch:
     keys: torch.Tensor  # (A, B*N, D) A = L * Hkv agents
     values: torch.Tensor
     positions: torch.Tensor  # (B*N,)
@@ -138,7 +139,7 @@ class Batch:
         return self.utility.shape  # type: ignore[return-value]
 
 
-def collate(traces: list[dict], cfg: KVPAgentConfig) -> Batch:
+def collate_traces(traces: list[dict], cfg: KVPAgentConfig) -> TraceBatch:
     B = len(traces)
     L, Hkv, _, D = traces[0]["keys"].shape
     if (L, Hkv, D) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
@@ -166,7 +167,7 @@ def collate(traces: list[dict], cfg: KVPAgentConfig) -> Batch:
     if cfg.extra_width:
         extra = extra_features(pos, mod, rc, cfg.extra_features, cfg.grid_side).reshape(B * N, -1)
     elig = eligible_mask(lens, N, cfg.sinks, cfg.recent)
-    return Batch(
+    return TraceBatch(
         keys=keys.transpose(0, 1).reshape(L * Hkv, B * N, D),
         values=values.transpose(0, 1).reshape(L * Hkv, B * N, D),
         positions=pos.reshape(B * N),
@@ -177,14 +178,14 @@ def collate(traces: list[dict], cfg: KVPAgentConfig) -> Batch:
     )
 
 
-def batch_scores(agents: KVPAgents, batch: Batch) -> torch.Tensor:
+def batch_scores(agents: KVPAgents, batch: TraceBatch) -> torch.Tensor:
     """Scores of every agent on its own tokens: (A, B, N)."""
     A, B, N = batch.shape
     ids = torch.arange(A)
     return agents(ids, batch.keys, batch.values, batch.positions, batch.extra).reshape(A, B, N)
 
 
-def contexts(scores: torch.Tensor, batch: Batch, cfg: KVPAgentConfig) -> tuple[torch.Tensor, ...]:
+def contexts(scores: torch.Tensor, batch: TraceBatch, cfg: KVPAgentConfig) -> tuple[torch.Tensor, ...]:
     """(A, B, N) agent scores -> (scores, utility, valid) per ranking context: one context per (agent,
     sample), or with `joint_heads` one per (layer, sample) over the tokens of all its KV heads."""
     A, B, N = scores.shape
@@ -205,7 +206,7 @@ def contexts(scores: torch.Tensor, batch: Batch, cfg: KVPAgentConfig) -> tuple[t
 
 
 @dataclass
-class TrainConfig:
+class KVPTrainConfig:
     """The paper's settings (AdamW 5e-5 -> 1e-6 cosine, 100 warmup, clip 5, wd 1e-3, 4000 steps, batch
     128 contexts, EMA 0.99) scaled to small agents and CPU budgets: fewer steps, a larger learning rate."""
 
@@ -256,7 +257,7 @@ def _save_checkpoint(path: Path, payload: dict) -> None:
 def train_agents(
     traces: list[dict],
     agent_cfg: KVPAgentConfig,
-    cfg: TrainConfig,
+    cfg: KVPTrainConfig,
     out_dir: str | Path | None = None,
     progress: Callable[[int, dict], None] | None = None,
 ) -> TrainResult:
@@ -315,7 +316,7 @@ def train_agents(
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         rng = random.Random(cfg.seed * 1_000_003 + step)
         idx = rng.sample(range(len(traces)), min(cfg.batch_samples, len(traces)))
-        batch = collate([traces[i] for i in idx], agent_cfg)
+        batch = collate_traces([traces[i] for i in idx], agent_cfg)
         A, B, N = batch.shape
         scores, util, valid = contexts(batch_scores(agents, batch), batch, agent_cfg)
         loss, reward = rloo_loss(scores, util, valid, cfg.rankings, g)
@@ -515,7 +516,7 @@ Progress = Callable[[str, int, int, dict], None]
 
 @dataclass
 class PipelineConfig:
-    """What `train` captures and which agents it trains (`TrainConfig` says how)."""
+    """What `train` captures and which agents it trains (`KVPTrainConfig` says how)."""
 
     data: str  # zoo:train[:N], an MMBench .tsv, a .jsonl {image, question, answer} (traces.load_samples)
     heldout_data: str | None = None  # default: zoo:heldout:N for zoo data, else the last 10% of `data`
@@ -624,7 +625,7 @@ def train(
     processor: Any,
     out_dir: str | Path,
     cfg: PipelineConfig,
-    train_cfg: TrainConfig | None = None,
+    train_cfg: KVPTrainConfig | None = None,
     progress: Progress | None = None,
 ) -> PipelineResult:
     """The KVP pipeline. Captures training and held-out traces from `model` (out/traces/{train,heldout}),
@@ -634,7 +635,7 @@ def train(
     Every stage resumes from what a previous call with the same settings left in `out_dir`."""
     out = Path(out_dir)
     selection = RedundancySelection(cfg.redundancy, cfg.sigma)  # a bad setting fails before any capture
-    train_cfg = train_cfg if train_cfg is not None else TrainConfig(seed=cfg.seed)
+    train_cfg = train_cfg if train_cfg is not None else KVPTrainConfig(seed=cfg.seed)
     signature = model_signature(model)
     train_samples, held_samples, held_spec, fu = _split_samples(cfg)
     dirs = {}
@@ -677,3 +678,14 @@ def train(
     save_agents(res.agents, out, signature, training, asdict(selection) if selection.active else None)
     logger.info("agents written to %s", out)
     return PipelineResult(res.agents, table, training)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TrainConfig":  # the former name, shared with another module's training settings
+        warnings.warn(
+            f"{__name__}.TrainConfig is now KVPTrainConfig (the KVP agents' training settings)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return KVPTrainConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

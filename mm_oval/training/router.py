@@ -346,7 +346,7 @@ class RouterBatch:
     mass: torch.Tensor  # (R, L, Hkv, P)
 
 
-def collate(samples: list[RouterSample]) -> RouterBatch:
+def collate_router(samples: list[RouterSample]) -> RouterBatch:
     p = max(s.content.shape[0] for s in samples)
     rows = []
     for s in samples:
@@ -396,7 +396,7 @@ def evaluate_capture(
     )
     rows = focused_rows = 0
     for start in range(0, len(samples), 64):
-        b = collate(samples[start : start + 64])
+        b = collate_router(samples[start : start + 64])
         n_cand = b.candidate.sum(-1)  # (R,)
         k_row = torch.ceil(n_cand.double() * read_budget - 1e-9).long().clamp(min=1)
         for layer in range(b.mass.shape[1]):
@@ -462,7 +462,7 @@ def train_router(
         rng.shuffle(order)
         total, count = 0.0, 0
         for start in range(0, len(order), o.batch):
-            b = collate([train[i] for i in order[start : start + o.batch]])
+            b = collate_router([train[i] for i in order[start : start + o.batch]])
             cand = b.candidate.unsqueeze(1).expand(-1, b.mass.shape[2], -1)
             loss = (
                 sum(
@@ -755,7 +755,9 @@ class Router2Batch:
     history: torch.Tensor  # (R, L, Hkv, W, P) bool: the base scorer's picks at the sample's previous rows
 
 
-def collate2(samples: list[Router2Sample], window: int = 0, history_budget: float = 0.25) -> Router2Batch:
+def collate_router2(
+    samples: list[Router2Sample], window: int = 0, history_budget: float = 0.25
+) -> Router2Batch:
     from ..policies.router2 import BASE_FLOOR
 
     p = max(s.content.shape[0] for s in samples)
@@ -877,7 +879,7 @@ def train_router2(
         rng.shuffle(order)
         total, count = 0.0, 0
         for start in range(0, len(order), o.batch):
-            b = collate2([train[i] for i in order[start : start + o.batch]], window)
+            b = collate_router2([train[i] for i in order[start : start + o.batch]], window)
             cand = b.candidate.unsqueeze(1).expand(-1, b.mass.shape[2], -1)
             k = torch.ceil(cand.sum(-1).double() * o.gumbel_budget - 1e-9).long().clamp(min=1)
             loss = 0.0
@@ -938,7 +940,7 @@ def evaluate_router2(
     sums = dict.fromkeys(keys, 0.0)
     rows = 0
     for start in range(0, len(samples), 32):
-        b = collate2(samples[start : start + 32], window)
+        b = collate_router2(samples[start : start + 32], window)
         n_cand = b.candidate.sum(-1)
         if read_pages is None:
             k = torch.ceil(n_cand.double() * read_budget - 1e-9).long().clamp(min=1).view(-1, 1, 1)

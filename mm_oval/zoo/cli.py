@@ -15,7 +15,7 @@ from .check import grounding_report
 from .generate import DevSizes, generate_dev_sets
 from .generate576 import DevSizes as DevSizes576
 from .generate576 import generate_dev_sets576
-from .train import TrainConfig, train
+from .train import TinyLlavaTrainConfig, train
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--out", required=True, help="run directory; the exported model goes to OUT/model")
 
-    for f in fields(TrainConfig):
+    for f in fields(TinyLlavaTrainConfig):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):  # --letter-teacher / --no-letter-teacher
             t.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(counts))
         return 0
     if args.zoo_command == "train":
-        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+        cfg = TinyLlavaTrainConfig(**{f.name: getattr(args, f.name) for f in fields(TinyLlavaTrainConfig)})
         path = train(args.out, cfg)
         print(path)
         return 0

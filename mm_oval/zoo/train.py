@@ -28,8 +28,10 @@ import logging
 import math
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainConfig:
+class TinyLlavaTrainConfig:
     steps: int = 3000
     seed: int = 0
     images_per_batch: int = 8
@@ -202,7 +204,7 @@ class Encoder:
 
 
 @dataclass
-class Batch:
+class TinyLlavaBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor  # (B, 1, L, L) additive float: 0 where a row may attend, -inf-ish elsewhere
     position_ids: torch.Tensor
@@ -216,7 +218,9 @@ class Batch:
     patch_labels: torch.Tensor  # (B, 64, 4)
 
 
-def make_batch(items, enc: Encoder, n_image_tokens: int = GRID * GRID, letter_teacher: bool = False) -> Batch:
+def make_batch(
+    items, enc: Encoder, n_image_tokens: int = GRID * GRID, letter_teacher: bool = False
+) -> TinyLlavaBatch:
     prefix = enc.prefix + [enc.image_id] * n_image_tokens
     P = len(prefix)
     seqs, metas = [], []
@@ -281,7 +285,7 @@ def make_batch(items, enc: Encoder, n_image_tokens: int = GRID * GRID, letter_te
     additive = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(
         ~mask, torch.finfo(torch.float32).min
     )
-    return Batch(
+    return TinyLlavaBatch(
         input_ids=input_ids,
         attention_mask=additive,
         position_ids=position_ids,
@@ -343,7 +347,7 @@ def patch_features(model, pixel: torch.Tensor) -> torch.Tensor:
     return out.hidden_states[layer][:, 1:]
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TinyLlavaTrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -362,7 +366,7 @@ def teacher_loss(attentions, teach) -> torch.Tensor:
     return total / n if total is not None else torch.zeros(())
 
 
-def answer_accuracy(logits: torch.Tensor, batch: Batch) -> tuple[np.ndarray, list[str], list[bool]]:
+def answer_accuracy(logits: torch.Tensor, batch: TinyLlavaBatch) -> tuple[np.ndarray, list[str], list[bool]]:
     b, a = batch.answer_rows[:, 0], batch.answer_rows[:, 1]
     pred = logits[b, a].argmax(-1)
     gold = batch.labels[b, a]
@@ -374,7 +378,7 @@ def answer_accuracy(logits: torch.Tensor, batch: Batch) -> tuple[np.ndarray, lis
 
 
 class Trainer:
-    def __init__(self, out: str | Path, cfg: TrainConfig, sizes: TinyLlavaSizes | None = None):
+    def __init__(self, out: str | Path, cfg: TinyLlavaTrainConfig, sizes: TinyLlavaSizes | None = None):
         cfg.validate()
         self.out, self.cfg = Path(out), cfg
         self.sizes = sizes or TinyLlavaSizes(text_head_dim=cfg.head_dim, rope_theta=cfg.rope_theta)
@@ -622,7 +626,7 @@ class Trainer:
         self.model.train()
         return {k: round(float(np.mean(v)), 3) for k, v in sorted(hits.items())}
 
-    def _forward(self, batch: Batch, want_attn: bool, want_hidden: bool = False):
+    def _forward(self, batch: TinyLlavaBatch, want_attn: bool, want_hidden: bool = False):
         return self.model(
             input_ids=batch.input_ids,
             pixel_values=batch.pixel_values,
@@ -633,7 +637,7 @@ class Trainer:
             use_cache=False,
         )
 
-    def exit_loss(self, hidden_states, batch: Batch) -> torch.Tensor:
+    def exit_loss(self, hidden_states, batch: TinyLlavaBatch) -> torch.Tensor:
         """Cross-entropy of the answer read out early, after each layer from the second to the last but one."""
         lm = self.model.model.language_model
         b, a = batch.answer_rows[:, 0], batch.answer_rows[:, 1]
@@ -644,7 +648,7 @@ class Trainer:
             terms.append(F.cross_entropy(logits, gold))
         return torch.stack(terms).mean() if terms else torch.zeros(())
 
-    def readout_loss(self, o_proj_input: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def readout_loss(self, o_proj_input: torch.Tensor, batch: TinyLlavaBatch) -> torch.Tensor:
         """Cross-entropy of the letter read from layer 2 head 0's contribution alone (its slice of o_proj),
         through the final norm and the LM head, at the multiple-choice answer positions."""
         lm = self.model.model.language_model
@@ -797,6 +801,17 @@ class Trainer:
         return path
 
 
-def train(out: str | Path, cfg: TrainConfig) -> Path:
+def train(out: str | Path, cfg: TinyLlavaTrainConfig) -> Path:
     random.seed(cfg.seed)
     return Trainer(out, cfg).run()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TrainConfig":  # the former name, shared with another module's training settings
+        warnings.warn(
+            f"{__name__}.TrainConfig is now TinyLlavaTrainConfig (the bundled tiny LLaVA's training settings)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return TinyLlavaTrainConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
