@@ -1,41 +1,27 @@
 """A closed-form initialisation of the tiny LLaVA's projector and language model.
 
-Gradient descent on 2 CPU cores never taught the tiny language model to retrieve image tokens by shape or
-to map a found option to its letter (docs/zoo.md, "What the learned checkpoint reached"). This module writes
-the weights of a plain `LlavaForConditionalGeneration` so that its attention carries out the retrieval the
-benchmark asks for, from what the generator knows about its own language: which words are colours,
-shapes, digits and option letters, and where in a question its key words sit. The vision tower is
-trained (it learns each patch's colour, shape, row and column from pixels); everything after it is set
-here. Training may continue from it (`mm-oval zoo train --circuit --steps N`), but a run at lr 1e-4 was
-at 0.73 held-out accuracy after 50 steps (the closed form alone: 1.00), so the bundled checkpoint is the
-closed form as written.
+Writes the weights of a plain `LlavaForConditionalGeneration`, after its trained vision tower, so that its
+attention carries out the retrieval the bundled benchmark asks for, from what the generator knows about its
+own language: which words are colours, shapes, digits and option letters, and where in a question its key
+words sit. Training may continue from it (`mm-oval zoo train --circuit --steps N`).
 
-The residual stream (128 dimensions) is laid out in named fields (`LAYOUT`); a constant field of size 8
-dominates every token's norm, so RMSNorm leaves the fields' ratios intact. Attention scores that must not
-depend on distance use RoPE pairs whose rotation over the prompt is negligible (theta 1e6, head_dim 64:
-pair j turns by 1e6^(-j/32) rad per token); positional heads use the fast pairs.
+The residual stream (128 dimensions) is laid out in named fields (`LAYOUT`) beside a constant field that
+dominates every token's norm, so RMSNorm leaves the fields' ratios intact; content scores use the RoPE
+pairs that barely turn over a prompt, positional scores the fast pairs.
 
-- Layer 0, four positional heads, every token gathers the words at offsets -1, -2, -3 and {-4, -5}:
-  at a question's `?` these hold the question's key words (`what color is the circle ?`: the shape at -1;
-  `what shape is the red object ?`: the colour at -2; `... row 3 column 5 ?`: the row digit at -3 and the
-  column digit at -1; `how many red objects are there ?`: `there` at -1, the colour at -4; `is there a red
-  circle in the image ?`: `image` at -1, the shape at -4 and the colour at -5). At an option word
-  (`B . red`) offset -2 holds its letter; at the answer position offset -3 holds `directly` for the
-  multiple-choice prompt.
-- Layer 0's MLP marks a `.` right after a digit: the end of a hint `... row R column C .` (the hint-lookup
-  questions name their cell in the hint; a distractor hint never ends in a digit).
-- Layer 1: the answer position copies the keys of the question's `?`, or of a marked hint `.`; a recency
-  term (about -1.4 logits per token of distance) makes the latest question win in a conversation.
-- Layer 2: content retrieval from the image. Head 0 matches colour and shape keys against the patches'
-  colour and shape, head 2 matches row and column; each has a sink (the BOS token) scored so that a patch
-  wins only when it matches every key. For counting, the sink scores like one match, so its share of the
-  attention is 1 / (n + 1); the MLP turns that share into a one-hot digit. For `is there a X Y`, the sink
-  wins unless some patch holds both.
-- Layer 3: in a multiple-choice prompt the answer position attends to the option word equal to the answer
-  (colour, shape, digit or yes/no) and copies that option's letter (the same recency term: the latest
-  turn's options win).
-- The LM head gates each answer class by the question's type (a colour, a shape, a digit, yes/no or a
-  letter), and puts `</s>` after the answer word.
+- Layer 0: four positional heads gather the words 1 to 5 tokens back (at a question's `?`: its key words;
+  at an option word: its letter; at the answer position: the multiple-choice suffix); its MLP marks the
+  `.` that ends a hint `... row R column C .`.
+- Layer 1: the answer position copies the keys of the latest question's `?` (or of a marked hint `.`).
+- Layer 2: retrieval from the image: head 0 matches colour and shape, head 2 row and column, each against
+  a BOS sink, so a patch wins only when it matches every key; counting reads the sink's share of the
+  attention, 1 / (n + 1), and the MLP turns it into a digit.
+- Layer 3: in a multiple-choice prompt, the answer position copies the letter of the option equal to the
+  answer.
+- The LM head gates each answer class by the question's type and puts `</s>` after the answer word.
+
+The circuit in full, why the bundled checkpoint is written rather than learned, and what it reaches:
+docs/zoo.md, "The recipe of the bundled checkpoint".
 """
 
 from __future__ import annotations
