@@ -16,12 +16,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# public name -> the module (absolute) that defines it
+# public name -> the module (absolute) that defines it. Helpers only the tests use (dispatch.INTERPRETED,
+# pagetable.pad_selection) are imported from their modules, not offered here.
 _EXPORTS = {
     "HAS_TRITON": "mm_oval.kernels.common.dispatch",
-    "INTERPRETED": "mm_oval.kernels.common.dispatch",
     "backend": "mm_oval.kernels.common.dispatch",
-    "pad_selection": "mm_oval.kernels.common.pagetable",
     "paginate": "mm_oval.kernels.common.pagetable",
     "selected_token_count": "mm_oval.kernels.common.pagetable",
     "selected_token_mask": "mm_oval.kernels.common.pagetable",

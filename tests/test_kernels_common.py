@@ -92,7 +92,7 @@ def test_dispatch_uses_references_on_cpu_and_honours_the_override(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "torch")
     assert K.backend(x) == "torch"
     monkeypatch.setenv(dispatch.ENV, "triton")
-    assert K.INTERPRETED  # tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton
+    assert dispatch.INTERPRETED  # tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton
     assert K.backend(x) == "triton"
     monkeypatch.setattr(dispatch, "INTERPRETED", False)
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mm_oval.kernels import merge_attention, pad_selection, paginate, selected_token_mask, sparse_paged_decode
+from mm_oval.kernels import merge_attention, paginate, selected_token_mask, sparse_paged_decode
+from mm_oval.kernels.common.pagetable import pad_selection
 from mm_oval.kernels.sparse_decode.kernel import sparse_paged_decode_triton
 from mm_oval.kernels.sparse_decode.naive import sparse_paged_decode_naive
 
