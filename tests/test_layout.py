@@ -1,0 +1,121 @@
+"""The layout rules, read from the source tree (no import of the project): eval/ and kernels/ (mapped into the
+package as mm_oval.eval and mm_oval.kernels) import the rest of the project absolutely, no module edits
+sys.path, and the folders import one another without a loop, not even through imports inside functions."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# package name -> its folder in the checkout (pyproject's package-dir)
+PACKAGES = {"mm_oval": ROOT / "mm_oval", "mm_oval.eval": ROOT / "eval", "mm_oval.kernels": ROOT / "kernels"}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """module name -> (file, is a package __init__)"""
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            if ".venv" in path.parts:
+                continue
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            is_init = parts[-1] == "__init__"
+            if is_init:
+                parts = parts[:-1]
+            out[".".join([pkg, *parts])] = (path, is_init)
+    return out
+
+
+def _imports(name: str, path: Path, is_init: bool, modules: dict) -> list[tuple[str, int, int]]:
+    """(imported module, level of the relative import or 0, line) of every import in the file, at any depth."""
+    package = name if is_init else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, 0, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+            out += [(m, node.level, node.lineno) for m in subs]
+            if len(subs) < len(node.names):
+                out.append((base, node.level, node.lineno))
+    return out
+
+
+def _folder(module: str) -> str | None:
+    """The unit of the layout a module belongs to: mm_oval's subpackage or top-level module."""
+    parts = module.split(".")
+    if parts[0] != "mm_oval" or len(parts) == 1:
+        return None  # another project, or mm_oval/__init__ (every submodule import runs it)
+    return parts[1]
+
+
+def test_eval_and_kernels_import_the_project_absolutely_and_relatively_only_within_a_folder():
+    modules = _modules()
+    bad = []
+    for name, (path, is_init) in modules.items():
+        if not name.startswith(("mm_oval.eval", "mm_oval.kernels")):
+            continue
+        for target, level, line in _imports(name, path, is_init, modules):
+            if level > 1:  # `from .x` stays within the module's folder; `from ..x` climbs out of it
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {target} as {'.' * level}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_edits_sys_path():
+    edits = []
+    for path, _ in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and getattr(node.value, "id", None) == "sys"
+            ):
+                edits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not edits, f"sys.path is touched at {edits}"
+
+
+def test_the_folders_import_one_another_without_a_loop():
+    modules = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    where: dict[tuple[str, str], str] = {}
+    for name, (path, is_init) in modules.items():
+        a = _folder(name)
+        for target, _, line in _imports(name, path, is_init, modules):
+            b = _folder(target)
+            if a and b and a != b:
+                graph[a].add(b)
+                where.setdefault((a, b), f"{path.relative_to(ROOT)}:{line}")
+
+    # a loop is a folder that reaches itself
+    def reaches(start: str) -> set[str]:
+        seen, stack = set(), list(graph[start])
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(graph[n])
+        return seen
+
+    loops = sorted(f for f in list(graph) if f in reaches(f))
+    detail = [f"{a} -> {b} ({where[a, b]})" for a in loops for b in sorted(graph[a]) if b in loops]
+    assert not loops, "folders in an import loop: " + ", ".join(loops) + "\n" + "\n".join(detail)
+
+
+def test_a_checkout_kernels_folder_imported_as_top_level_kernels_runs_nothing():
+    """From the checkout root `kernels` names the folder; transformers imports that name to probe for the
+    Hugging Face Hub's kernels library. The import must load no op and offer no version."""
+    code = (
+        "import sys, kernels; "
+        "print(sorted(m for m in sys.modules if 'kernels' in m or m.startswith('mm_oval'))); "
+        "print(hasattr(kernels, '__version__'), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["['kernels']", "False False"], out.stdout + out.stderr
