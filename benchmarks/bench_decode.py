@@ -19,21 +19,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from bench_memory import add_model_args, random_prompts, sizes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import add_model_args, random_prompts, sizes  # noqa: E402
-
-import mm_oval  # noqa: E402
-from mm_oval.config import OvalConfig  # noqa: E402
-from mm_oval.files import atomic_write_json  # noqa: E402
-from mm_oval.stats import cache_stats  # noqa: E402
-from mm_oval.wrapper import prefill  # noqa: E402
-from mm_oval.zoo.model import build_tiny_llava  # noqa: E402
+import mm_oval
+from mm_oval.config import OvalConfig
+from mm_oval.files import atomic_write_json
+from mm_oval.stats import cache_stats
+from mm_oval.wrapper import prefill
+from mm_oval.zoo.model import build_tiny_llava
 
 R = "read_bytes_budget=0.25,image_tile=4"
 DEFAULT_METHODS = (

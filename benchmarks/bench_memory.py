@@ -43,18 +43,16 @@ import time
 from pathlib import Path
 
 import torch
+from bench_overhead import LLAVA7B
+from bench_wrap import MID
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import LLAVA7B  # noqa: E402
-from bench_wrap import MID  # noqa: E402
-
-import mm_oval  # noqa: E402
-from mm_oval.cache import PagedLayer  # noqa: E402
-from mm_oval.config import OvalConfig  # noqa: E402
-from mm_oval.files import atomic_write_json  # noqa: E402
-from mm_oval.stats import get_stats  # noqa: E402
-from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava  # noqa: E402
+import mm_oval
+from mm_oval.cache import PagedLayer
+from mm_oval.config import OvalConfig
+from mm_oval.files import atomic_write_json
+from mm_oval.stats import get_stats
+from mm_oval.zoo.model import TinyLlavaSizes, build_tiny_llava
 
 CONFIGS = ("dense", "snapkv", "quest", "locks", "oval", "router", "router2")
 MIB = 2.0**20
