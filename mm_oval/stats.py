@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
 
-from .core import iter_tensors, topk_mask  # noqa: F401 (iter_tensors: the counter walks objects with it)
+from .core import iter_tensors, topk_mask
 from .errors import ConfigError
 from .measures import attention_mass_captured, exact_attention, page_mass
 from .policies.router2 import CO_READ_WINDOW  # the monitor's co-read window is router v2's
