@@ -20,12 +20,12 @@ The wrapper fills only what the configured policies declare they need (`Eviction
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-from transformers import PreTrainedModel
 
 from .errors import ConfigError
 
@@ -292,6 +292,13 @@ def budget_count(budget: float | int, n: torch.Tensor) -> torch.Tensor:
 _SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
 
+def _is_hf_model(o: Any) -> bool:
+    # without importing transformers here (core stays light): an object can only be a Hugging Face model
+    # once transformers is loaded
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(o, transformers.PreTrainedModel)
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor reachable from `obj` through dicts (values), lists, tuples, sets, dataclass instances
     and `nn.Module`s (their parameters, buffers and tensor attributes). Other objects, and a Hugging Face
@@ -306,7 +313,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             continue
         if (
             isinstance(o, _SCALARS)
-            or isinstance(o, PreTrainedModel)
+            or _is_hf_model(o)
             or getattr(type(o), "part_of_served_model", False)
             or id(o) in seen
         ):
