@@ -69,7 +69,7 @@ class SmolTrainConfig:
     warmup_steps: int = 50
     grad_clip: float = 1.0
     lora: bool = True
-    lm_dtype: str = "auto"  # bfloat16 on CUDA; float32 on the CPU (bf16 matmuls are emulated without AVX512-BF16)
+    lm_dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU (see resolve_lm_dtype)
     mmbench_fraction: float = 0.3
     checkpoint_every: int = 10
     eval_every: int = 50
