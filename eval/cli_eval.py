@@ -7,7 +7,7 @@ import json
 import logging
 import math
 
-from mm_oval.modelfiles import add_load_arguments, load_from_args
+from mm_oval.modelfiles import MODEL_HELP, add_load_arguments, load_from_args
 from mm_oval.prompts import COMPRESS_AT
 
 from .runner import check_method, evaluate, parse_budget, process_state
@@ -137,9 +137,7 @@ def add_rules_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", required=True, help="local path or Hub id of a LLaVA model ('bundled' = the tiny one)"
-    )
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
     add_data_arguments(parser)
     parser.add_argument(
         "--method", default="full", help="'full' (plain model) or a method spec 'name[:key=value,...]'"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mm_oval.modelfiles import load_from_args
+from mm_oval.modelfiles import MODEL_HELP, load_from_args
 
 from .cli_eval import add_data_arguments, add_generation_arguments, add_rules_argument, generation_options
 from .runner import process_state
@@ -12,9 +12,7 @@ from .sweep import check_cells, markdown_table, parse_budgets, parse_methods, ru
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", required=True, help="local path or Hub id of a LLaVA model ('bundled' = the tiny one)"
-    )
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
     add_data_arguments(parser)
     parser.add_argument(
         "--methods",

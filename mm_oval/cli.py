@@ -22,6 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("mm_oval.eval.cli_sweep", "evaluate a grid of methods x budgets; write a table and a plot"),
     "train-kvp": ("mm_oval.training.cli_kvp", "capture traces and train KVP eviction agents"),
     "train-router": ("mm_oval.training.cli_router", "train the hybrid image-text page router"),
+    "train-smol": (
+        "mm_oval.training.cli_smol",
+        "train bundled-smol's projector and LoRA adapter (SmolLM2 as a LLaVA's language model)",
+    ),
     "zoo": ("mm_oval.zoo.cli", "generate the bundled benchmark / train the bundled tiny LLaVA"),
     "chat": ("mm_oval.cli_chat", "chat about an image with a (wrapped) model"),
 }

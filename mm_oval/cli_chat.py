@@ -17,7 +17,7 @@ from .chat import Chat
 from .config import OvalConfig
 from .errors import MmOvalError
 from .eval.runner import parse_budget
-from .modelfiles import add_load_arguments, load_from_args
+from .modelfiles import MODEL_HELP, add_load_arguments, load_from_args
 from .prompts import load_image
 from .wrapper import wrap
 
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="bundled",
-        help="bundled (the tiny LLaVA shipped with mm-oval), a local path or a Hub id",
+        help=f"{MODEL_HELP} (default: bundled)",
     )
     parser.add_argument(
         "--image", action="append", default=[], metavar="PATH", help="an image to chat about (repeatable)"

