@@ -1,6 +1,8 @@
 """`mm-oval train-kvp`: capture traces from a model, train KVP agents on them, report held-out cost.
 
     mm-oval train-kvp --model bundled --data zoo:train:1500 --heldout-data zoo:heldout:200 --out runs/kvp
+    mm-oval train-kvp --model smollm2 --data longtext:train:192:512,1k --compress context --answer greedy \
+        --no-queries --pos-table 512 --out runs/kvp-smol
 
 This module parses the options and calls the pipeline, `mm_oval.training.kvp.train`. Every stage resumes:
 traces are captured in shards (out/traces/{train,heldout}), training checkpoints to out/checkpoint.pt. The
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -27,12 +30,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         required=True,
-        help="training prompts: zoo:train[:N] (bundled generator), an MMBench .tsv, a .jsonl {image, question, answer}",
+        help="training prompts: zoo:train[:N] (bundled generator), longtext:train[:N[:LENGTHS]] (the long-context "
+        "text tasks from a training seed, LENGTHS a comma list of 512,1k,2k,4k; a plain LM), an MMBench .tsv, "
+        "a .jsonl {image, question, answer}",
     )
     p.add_argument(
         "--heldout-data",
         default=None,
-        help="held-out prompts (default: zoo:heldout:N for zoo data, else the last 10%% of --data)",
+        help="held-out prompts (default: zoo:heldout:N / longtext:heldout:N for generated data, else the last "
+        "10%% of --data)",
     )
     p.add_argument("--out", required=True, help="output directory (traces, checkpoint, agents, heldout.json)")
     p.add_argument("--samples", type=int, default=None, help="at most this many training prompts")
@@ -80,10 +86,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=COMPRESS_AT,
         default="prompt",
         help="where the traces' prompt ends: after the question (prompt) or right after the image (image: "
-        "the question-agnostic setting of `eval --compress image`, the question counts as future)",
+        "the question-agnostic setting of `eval --compress image`, the question counts as future); context: "
+        "the same for text data, the prompt ends at the context (`eval --compress context`)",
     )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
+    p.add_argument(
+        "--pos-table",
+        type=int,
+        default=None,
+        help="rows of the agents' position table, later positions sharing the last (default: the model's "
+        "positions, at most 6000); no longer than the training contexts when longer ones are evaluated",
+    )
     p.add_argument(
         "--redundancy",
         type=float,
@@ -98,6 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --redundancy: the spatial reach (in image patches) of that similarity (0: keys alone)",
     )
     add_load_arguments(p)
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(model, processor) for --model; `smollm2` gives SmolLM2-135M-Instruct and its tokenizer."""
+    model, processor, _ = load_from_args(args)
+    return model, processor
 
 
 def parse_features(text: str) -> tuple[str, ...]:
@@ -118,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     train_cfg = KVPTrainConfig(
         steps=args.steps, batch_samples=args.batch, rankings=args.rankings, lr=args.lr, seed=args.seed
     )
-    model, processor, _ = load_from_args(args)
+    model, processor = load(args)
     bars: dict[str, tqdm] = {}
 
     def progress(stage: str, done: int, total: int, info: dict) -> None:

@@ -39,7 +39,7 @@ from ..policies.kvp_features import extra_features
 from ..policies.kvp_io import save_agents
 from ..policies.kvp_select import RedundancySelection
 from ..policies.signature import model_signature
-from .traces import capture_traces, load_samples, load_traces
+from .traces import capture_traces, load_samples, load_traces, parse_longtext_spec
 
 logger = logging.getLogger(__name__)
 
@@ -518,8 +518,10 @@ Progress = Callable[[str, int, int, dict], None]
 class PipelineConfig:
     """What `train` captures and which agents it trains (`KVPTrainConfig` says how)."""
 
-    data: str  # zoo:train[:N], an MMBench .tsv, a .jsonl {image, question, answer} (traces.load_samples)
-    heldout_data: str | None = None  # default: zoo:heldout:N for zoo data, else the last 10% of `data`
+    # zoo:train[:N], longtext:train[:N[:LENGTHS[:KINDS]]] (text, a plain LM), an MMBench .tsv, a .jsonl {image,
+    # question, answer} (traces.load_samples)
+    data: str
+    heldout_data: str | None = None  # default: zoo:/longtext:heldout:N for generated data, else the last 10%
     samples: int | None = None  # at most this many training prompts
     heldout_samples: int = 200
     followups: int = 1  # zoo data: later questions per image whose tokens also read the cache
@@ -535,6 +537,10 @@ class PipelineConfig:
     joint_heads: bool = False
     sinks: int = 4
     recent: int = 16
+    # rows of the agents' absolute position table (later positions share its last row); None: the model's
+    # positions, at most 6000. Positions the traces never reach keep their random initial rows, so contexts
+    # longer than the training ones want a table no longer than those
+    pos_table: int | None = None
     # the selection recorded beside the agents (policies.kvp_select): it changes no weight, only how the
     # cache turns the agents' scores into kept tokens
     redundancy: float = 0.0
@@ -559,6 +565,10 @@ def _split_samples(cfg: PipelineConfig) -> tuple[list, list, str, int]:
     if zoo:
         spec = f"zoo:heldout:{cfg.heldout_samples}"
         return train, load_samples(spec, seed=cfg.seed, followups=fu), spec, fu
+    if cfg.data.startswith("longtext"):  # the same lengths, the generator's held-out seed
+        _, _, lengths, kinds = parse_longtext_spec(cfg.data)
+        spec = f"longtext:heldout:{cfg.heldout_samples}:{','.join(lengths)}:{','.join(kinds)}"
+        return train, load_samples(spec, seed=cfg.seed), spec, fu
     k = max(1, len(train) // 10)
     return train[:-k], train[-k:], f"{cfg.data} (last {k})", fu
 
@@ -573,7 +583,7 @@ def agent_config(signature: dict, cfg: PipelineConfig, fixed_grid: bool = True) 
         head_dim=signature["head_dim"],
         proj=cfg.proj,
         hidden=cfg.hidden,
-        pos_table=min(int(signature["max_positions"]), 6000),
+        pos_table=cfg.pos_table or min(int(signature["max_positions"]), 6000),
         extra_features=tuple(cfg.features),
         shared=cfg.shared,
         joint_heads=cfg.joint_heads,

@@ -1,6 +1,7 @@
-"""Capture KVP training traces from a LLaVA-style model.
+"""Capture KVP training traces from a LLaVA-style model, or from a plain decoder-only LM on text samples.
 
-For each sample (image + question, with its answer) the model runs once over prompt + answer. The Q/K
+For each sample (image + question, or a text context + question, with its answer) the model runs once
+over prompt + answer. The Q/K
 capture (`mm_oval.measures.capture_qk`: SDPA underneath, so outputs are unchanged) hands over every layer's
 queries, keys and values after RoPE, and the trace records, for the prompt's n tokens:
 
@@ -12,7 +13,15 @@ queries, keys and values after RoPE, and the trace records, for the prompt's n t
 
 The answer is the reference answer teacher-forced (`answer="reference"`) or the model's own greedy answer
 (`answer="greedy"`). Traces are stored as safetensors shards listed in manifest.json; a capture that is
-interrupted resumes after the last complete shard.
+interrupted resumes after the last complete shard. Keys, values and queries are stored in float16 (a
+1k-token trace of SmolLM2-135M, 30 layers x 3 KV heads of 64, is about 24 MB of keys and values; its
+queries add 36 MB, so `store_queries=False` for long text).
+
+Text samples (`longtext:SPLIT[:N[:LENGTHS[:KINDS]]]`: the long-context text tasks of eval/longtext.py generated
+with a training seed, never the dev set's) run on a plain LM with its tokenizer as `processor`. Their prompt
+is the harness's (eval/textgen.py's `split_prompt`: the chat template's head with the context, then the
+question and the assistant tag); with `compress="context"` the trace's prompt ends at the context, as
+`eval --compress context` compresses it (question-agnostic), and the question, like the answer, is future.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -56,7 +66,8 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class TraceSample:
-    """One prompt: `images` (PIL) and the user `question` (text after the image), with its `answer`."""
+    """One prompt: `images` (PIL) and the user `question` (text after the image), with its `answer`. A text
+    sample has no images and a `context` (the document read before the question, eval/longtext.py)."""
 
     sample_id: str
     images: list[Any]
@@ -64,6 +75,9 @@ class TraceSample:
     answer: str
     # later turns about the same image (question, answer): their tokens read the cache after eviction too
     followups: list[tuple[str, str]] = field(default_factory=list)
+    context: str | None = None
+    # the longest greedy answer for this sample (its task's budget), else the capture's `max_new_tokens`
+    max_new_tokens: int | None = None
 
 
 def toy_samples(n: int, seed: int = 0, image_size: int = 128) -> list[TraceSample]:
@@ -187,10 +201,106 @@ def zoo_samples(split: str, n: int, seed: int, followups: int = 0, geometry: int
     return out
 
 
+LONGTEXT_SEED_BASE = 100  # training contexts use seed 100 + --seed, held-out ones 1100 + --seed
+LONGTEXT_LENGTHS = {"512": 36, "1k": 80, "2k": 164, "4k": 332}  # sentences per document (eval/longtext.py)
+LONGTEXT_DEFAULT_LENGTHS = ("512", "1k")
+# the kinds drawn by default, named here (not eval/longtext.py's KINDS) so that a spec keeps meaning the
+# same samples when the harness gains a kind: a capture resumes only on the samples it started with
+LONGTEXT_DEFAULT_KINDS = ("passkey", "doorkeys", "keylist", "needle", "message", "trio")
+
+
+def parse_longtext_spec(
+    spec: str, limit: int | None = None
+) -> tuple[str, int, tuple[str, ...], tuple[str, ...]]:
+    """`longtext:SPLIT[:N[:LENGTHS[:KINDS]]]` -> (split, N, lengths, kinds); LENGTHS is a comma list of 512,
+    1k, 2k, 4k (default 512,1k), KINDS one of eval/longtext.py's kinds (default LONGTEXT_DEFAULT_KINDS)."""
+    from ..eval.longtext import KINDS
+
+    parts = spec.split(":")
+    if parts[0] != "longtext" or len(parts) > 5:
+        raise DataError(
+            f"text data {spec!r}: use longtext:train[:N[:LENGTHS[:KINDS]]] (e.g. longtext:train:96:512,1k)"
+        )
+    split = parts[1] if len(parts) > 1 and parts[1] else "train"
+    if split not in ("train", "heldout"):
+        raise DataError(f"longtext split {split!r}: use longtext:train[:N] or longtext:heldout[:N]")
+    try:
+        n = int(parts[2]) if len(parts) > 2 and parts[2] else (limit or 256)
+    except ValueError:
+        raise DataError(f"text data {spec!r}: N must be a number of samples") from None
+
+    def listed(k: int) -> tuple[str, ...]:
+        return tuple(x.strip() for x in parts[k].split(",") if x.strip()) if len(parts) > k else ()
+
+    lengths = listed(3) or LONGTEXT_DEFAULT_LENGTHS
+    kinds = listed(4) or LONGTEXT_DEFAULT_KINDS
+    bad = [x for x in lengths if x not in LONGTEXT_LENGTHS]
+    if bad:
+        raise DataError(f"text data {spec!r}: unknown lengths {bad}; choose from {list(LONGTEXT_LENGTHS)}")
+    bad = [x for x in kinds if x not in KINDS]
+    if bad:
+        raise DataError(f"text data {spec!r}: unknown kinds {bad}; choose from {list(KINDS)}")
+    return split, min(n, limit or n), lengths, kinds
+
+
+def _reference(meta: dict) -> str:
+    if "keys" in meta:
+        return ", ".join(meta["keys"])
+    return str(meta.get("key") or meta.get("word") or meta.get("message") or "")
+
+
+def longtext_samples(
+    split: str,
+    n: int,
+    seed: int = 0,
+    lengths: tuple[str, ...] = LONGTEXT_DEFAULT_LENGTHS,
+    kinds: tuple[str, ...] = LONGTEXT_DEFAULT_KINDS,
+) -> list[TraceSample]:
+    """`n` text samples of eval/longtext.py's generator (each of `kinds` at each of `lengths`, interleaved so
+    that any prefix mixes them), one question per context (the kinds with several questions per context,
+    doorkeys and trio, ask each context one of them in turn). The generator's seed is LONGTEXT_SEED_BASE +
+    `seed` for `train` and another 1000 above for `heldout`; the dev set's seed (eval/longtext.py's
+    BUNDLED_SPEC) is refused. The answer recorded is the reference (the pass key(s), the word or the
+    message); traces normally use the model's greedy answer, up to the harness's budget for the kind."""
+    from ..eval import longtext
+
+    if split not in ("train", "heldout"):
+        raise DataError(f"longtext split {split!r}: use longtext:train[:N] or longtext:heldout[:N]")
+    gen_seed = LONGTEXT_SEED_BASE + seed + (ZOO_HELDOUT_SEED_OFFSET if split == "heldout" else 0)
+    if gen_seed == longtext.BUNDLED_SPEC["seed"]:
+        raise ConfigError(
+            f"seed {seed} makes the long-context generator draw the dev set (seed {gen_seed}); pick another --seed"
+        )
+    slots = [(k, length) for length in lengths for k in kinds]
+    per = -(-n // len(slots)) if n else 0
+    spec = {"seed": gen_seed, "per_length": per, "lengths": {x: LONGTEXT_LENGTHS[x] for x in lengths}}
+    columns = []
+    for kind, length in slots:
+        groups: dict[str, list] = {}
+        for it in longtext.generate(kind, length, spec):
+            groups.setdefault(it.group, []).append(it)
+        items = [g[c % len(g)] for c, g in enumerate(groups.values())]  # one question per context
+        budget = longtext.TASK_CLASSES[f"{kind}_1k"].max_new_tokens  # the harness's, the same at every length
+        col = []
+        for it in items:
+            sid = f"longtext-{split}-{gen_seed}-{kind}_{length}-{it.id}"
+            col.append(
+                TraceSample(
+                    sid, [], it.prompt, _reference(it.meta), context=it.context, max_new_tokens=budget
+                )
+            )
+        columns.append(col)
+    out = [col[i] for i in range(per) for col in columns]
+    return out[:n]
+
+
 def load_samples(spec: str, limit: int | None = None, seed: int = 0, followups: int = 0) -> list[TraceSample]:
-    """`toy[:N]`, `zoo:SPLIT[:N]` (`zoo576:SPLIT[:N]`: the 576-token scenes), an MMBench TSV, or a JSONL of
-    {image, question, answer}. `followups` (zoo only) adds later questions about the same image to each
-    sample."""
+    """`toy[:N]`, `zoo:SPLIT[:N]` (`zoo576:SPLIT[:N]`: the 576-token scenes),
+    `longtext:SPLIT[:N[:LENGTHS[:KINDS]]]` (text samples for a plain LM), an MMBench TSV, or a JSONL of {image, question, answer}. `followups` (zoo
+    only) adds later questions about the same image to each sample."""
+    if spec.startswith("longtext"):
+        split, n, lengths, kinds = parse_longtext_spec(spec, limit)
+        return longtext_samples(split, n, seed, lengths, kinds)
     if spec.startswith("toy"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else (limit or 64)
         return toy_samples(min(n, limit or n), seed=seed)
@@ -284,9 +394,17 @@ def capture_sample(
     token after the prompt that is fed back to the model: the answer, then the follow-up turns (the final
     end-of-sequence token is never fed, so it is not a query). With `compress="image"` the trace's prompt
     ends at the last image token, as the cache is compressed with `--compress image` (question-agnostic):
-    the question then belongs to the future, whose attention is the utility."""
+    the question then belongs to the future, whose attention is the utility. A text sample (`context` set)
+    runs on a plain LM (`_capture_text`); `compress="context"` ends its prompt at the context likewise."""
     if compress not in COMPRESS_AT:
         raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {compress!r}")
+    if sample.context is not None:
+        return _capture_text(model, processor, sample, answer, max_new_tokens, store_queries, compress)
+    if compress == "context":
+        raise DataError(
+            f"sample {sample.sample_id}: compress='context' is for text samples (a context read before the "
+            "question); use compress='image' for the question-agnostic setting of an image"
+        )
     device = next(model.parameters()).device
     prompt = processor.apply_chat_template(_conversation(sample, None), add_generation_prompt=True)
     inputs = {k: v.to(device) for k, v in _tokenise(processor, sample, prompt).items()}
@@ -323,16 +441,7 @@ def capture_sample(
         full["attention_mask"] = torch.ones_like(full_ids)
     if "mm_token_type_ids" in full:  # Qwen2-VL: one per token, cut with the ids
         full["mm_token_type_ids"] = full["mm_token_type_ids"][:, : full_ids.shape[1]]
-    rec = _Recorder(prompt_len=n, store_queries=store_queries)
-    with capture_qk(model, on_layer=lambda qk: rec.record(qk.module, qk.query, qk.key, qk.value, qk.scaling)):
-        model(**full, use_cache=False)
-    L = len(rec.layers)
-    if L == 0 or sorted(rec.layers) != list(range(L)):
-        raise ModelError(
-            f"{type(model).__name__}: the capture attention saw layers {sorted(rec.layers)}; KVP traces need a "
-            "model whose attention goes through transformers' attention interface"
-        )
-    out = {k: torch.cat([rec.layers[i][k] for i in range(L)], dim=0) for k in rec.layers[0]}
+    out = _recorded_forward(model, full, n, store_queries)
     # image tokens and their (grid, row, col) as the cache sees them (newlines are text), prompt part
     pixel = {k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS}
     geo = image_geometry(model, inputs["input_ids"], None, **pixel)
@@ -340,6 +449,75 @@ def capture_sample(
     out["positions"] = torch.arange(n, dtype=torch.int32)
     out["modality"] = torch.where(is_img, IMAGE, TEXT).to(torch.int8)
     out["image_rc"] = geo.image_rc[0, :n].cpu().to(torch.int16)
+    out["future_len"] = torch.tensor([full_ids.shape[1] - n], dtype=torch.int32)
+    return out
+
+
+def _recorded_forward(model: Any, inputs: dict, n: int, store_queries: bool) -> dict[str, torch.Tensor]:
+    """One forward over the whole conversation through the Q/K capture: per layer, the first `n`
+    tokens' keys / values (/ queries) and the utility the later tokens give them, stacked over layers."""
+    rec = _Recorder(prompt_len=n, store_queries=store_queries)
+    with capture_qk(model, on_layer=lambda qk: rec.record(qk.module, qk.query, qk.key, qk.value, qk.scaling)):
+        model(**inputs, use_cache=False)
+    L = len(rec.layers)
+    if L == 0 or sorted(rec.layers) != list(range(L)):
+        raise ModelError(
+            f"{type(model).__name__}: the capture attention saw layers {sorted(rec.layers)}; KVP traces need a "
+            "model whose attention goes through transformers' attention interface"
+        )
+    return {k: torch.cat([rec.layers[i][k] for i in range(L)], dim=0) for k in rec.layers[0]}
+
+
+def _capture_text(
+    model: Any,
+    processor: Any,
+    sample: TraceSample,
+    answer: str,
+    max_new_tokens: int,
+    store_queries: bool,
+    compress: str,
+) -> dict[str, torch.Tensor]:
+    """`capture_sample` for a text sample on a plain LM (`processor`: its tokenizer, or a processor holding
+    one). The tokens are the harness's (eval/textgen.py): the head (chat template + context + separator),
+    the question with the assistant tag, then the answer (greedy: the model's own, from the full cache, cut
+    before its end-of-turn token, which is never fed back)."""
+    from ..eval.textgen import split_prompt, tokenizer_of
+
+    if compress == "image":
+        raise DataError(
+            f"sample {sample.sample_id} is text (no image): use compress='context' for the question-agnostic "
+            "setting (the prompt ends at the context) or 'prompt'"
+        )
+    tok = tokenizer_of(processor)
+    device = next(model.parameters()).device
+    asked = SimpleNamespace(context=sample.context, prompt=sample.question)
+    head, tail = split_prompt(tok, asked, device)
+    ids = torch.cat([head, tail], dim=1)
+    eos = model.generation_config.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
+    if answer == "greedy":
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=sample.max_new_tokens or max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=pad,
+        )
+        new = gen[:, ids.shape[1] :]
+    elif answer == "reference":
+        new = tok(sample.answer, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+    else:
+        raise DataError(f"answer mode {answer!r}: use 'reference' or 'greedy'")
+    row = new[0].tolist()
+    cut = next((k for k, t in enumerate(row) if t in stop), len(row))
+    full_ids = torch.cat([ids, new[:, :cut]], dim=1)
+    n = head.shape[1] if compress == "context" else ids.shape[1]
+    out = _recorded_forward(model, {"input_ids": full_ids}, n, store_queries)
+    out["positions"] = torch.arange(n, dtype=torch.int32)
+    out["modality"] = torch.full((n,), TEXT, dtype=torch.int8)
+    out["image_rc"] = torch.full((n, 3), -1, dtype=torch.int16)
     out["future_len"] = torch.tensor([full_ids.shape[1] - n], dtype=torch.int32)
     return out
 

