@@ -16,7 +16,7 @@ from mm_oval.errors import ConfigError, DataError, ModelError
 from mm_oval.policies.base import TEXT
 from mm_oval.policies.kvp import load_agents
 from mm_oval.stats import get_stats
-from mm_oval.training.kvp import PipelineConfig, KVPTrainConfig, train
+from mm_oval.training.kvp import KVPTrainConfig, PipelineConfig, train
 from mm_oval.training.traces import (
     LONGTEXT_DEFAULT_KINDS,
     LONGTEXT_SEED_BASE,
