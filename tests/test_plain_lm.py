@@ -212,3 +212,28 @@ def test_the_harness_runs_a_text_task_question_agnostic_and_in_turns(tiny_lm, by
     assert not mm_oval.is_wrapped(tiny_lm)
     with pytest.raises(ConfigError, match="'image' is for image tasks"):
         evaluate(tiny_lm, byte_tokenizer, "doorkeys_1k", tmp_path, compress="image", progress=False)
+
+
+@pytest.mark.real_lm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_budget_one_on_smollm2_gives_its_own_tokens(smollm2, dtype):
+    """SmolLM2 wrapped at budget 1.0 (and reading every page) answers with the unwrapped model's tokens,
+    greedy, a batch of two prompts of different lengths (left padding)."""
+    import copy
+
+    base, tok = smollm2
+    model = copy.deepcopy(base).to(dtype)
+    tok.padding_side = "left"
+    questions = ["What is the capital of France? Answer in one word.", "Name two colours of the rainbow."]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    assert not bool(enc["attention_mask"].all())  # the shorter prompt is padded
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tok.pad_token_id}
+    with torch.no_grad():
+        ref = model.generate(**enc, **kw)
+    for spec in ({"method": "snapkv", "budget": 1.0}, {"retrieval": "oval", "read_budget": 1.0}):
+        with mm_oval.wrapped(model, **spec), torch.no_grad():
+            assert torch.equal(model.generate(**enc, **kw), ref), spec
