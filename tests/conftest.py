@@ -71,3 +71,49 @@ def smollm2():
     except ModelError as e:
         pytest.skip(str(e))
     return load_smollm2()
+
+
+# ---- a plain decoder-only LM and a tokenizer with a chat template, built in-process (no files) ----------
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level tokenizer (every byte a token, no merges) with a ChatML template: any text, no files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|im_end|>", "<|im_start|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for b in pre_tokenizers.ByteLevel.alphabet():
+        vocab.setdefault(b, len(vocab))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A randomly initialised tiny LlamaForCausalLM (3 layers, 4 query / 2 KV heads, vocabulary 300)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).eval()

@@ -8,8 +8,6 @@ import pytest
 import torch
 from mm_oval.eval import longtext
 from mm_oval.eval.textgen import generate_text, split_prompt
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import mm_oval
 from mm_oval.errors import ConfigError, DataError, ModelError
@@ -27,45 +25,6 @@ from mm_oval.training.traces import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def byte_tokenizer():
-    """A byte-level tokenizer (every byte a token, no merges) with a ChatML template: any text, no files."""
-    specials = ["<|im_end|>", "<|im_start|>"]
-    vocab = {t: i for i, t in enumerate(specials)}
-    for b in pre_tokenizers.ByteLevel.alphabet():
-        vocab.setdefault(b, len(vocab))
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>")
-    tok.add_special_tokens({"additional_special_tokens": specials})
-    tok.chat_template = TEMPLATE
-    return tok
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
 
 def _short(n_sentences: int = 6) -> TraceSample:
     """A short text sample (a 6-sentence document with a pass key), cheap to run byte by byte."""

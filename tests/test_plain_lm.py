@@ -9,53 +9,13 @@ from mm_oval.eval import longtext
 from mm_oval.eval.runner import evaluate
 from mm_oval.eval.tasks import get_task
 from mm_oval.eval.textgen import generate_text, generate_text_conversation
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import mm_oval
 from mm_oval.errors import ConfigError, DataError, ModelError
 from mm_oval.stats import get_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def byte_tokenizer():
-    """A byte-level tokenizer (every byte a token, no merges) with a ChatML template: any text, no files."""
-    specials = ["<|im_end|>", "<|im_start|>"]
-    vocab = {t: i for i, t in enumerate(specials)}
-    for b in pre_tokenizers.ByteLevel.alphabet():
-        vocab.setdefault(b, len(vocab))
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>")
-    tok.add_special_tokens({"additional_special_tokens": specials})
-    tok.chat_template = TEMPLATE
-    return tok
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
 
 def _batch():
     g = torch.Generator().manual_seed(1)
