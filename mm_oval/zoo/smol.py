@@ -203,7 +203,7 @@ def add_lora(model: Any, config: Any = None) -> Any:
     for n, p in tuner.model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()
-    model._mm_oval_lora = tuner
+    model._lora_tuner = tuner
     return tuner
 
 
@@ -213,7 +213,7 @@ def lora_state(model: Any) -> dict[str, torch.Tensor]:
 
     return {
         f"base_model.model.{k}": v.detach().float().contiguous()
-        for k, v in get_peft_model_state_dict(model._mm_oval_lora).items()
+        for k, v in get_peft_model_state_dict(model._lora_tuner).items()
     }
 
 
@@ -222,7 +222,7 @@ def load_lora_state(model: Any, state: dict[str, torch.Tensor]) -> None:
 
     prefix = "base_model.model."
     inner = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
-    res = set_peft_model_state_dict(model._mm_oval_lora, inner)
+    res = set_peft_model_state_dict(model._lora_tuner, inner)
     if getattr(res, "unexpected_keys", None):
         raise ModelError(f"bundled-smol: the adapter holds unknown weights {res.unexpected_keys[:3]}")
 
@@ -253,7 +253,7 @@ def load_trained_parts(model: Any, folder: str | Path, merge: bool = True) -> No
             load_lora_state(model, load_file(str(folder / ADAPTER_FILE)))
             if merge:
                 model.model.language_model = tuner.merge_and_unload()
-                del model._mm_oval_lora
+                del model._lora_tuner
     except (OSError, RuntimeError, ValueError, KeyError) as e:
         raise ModelError(
             f"bundled-smol's trained parts in {folder} cannot be loaded ({e}); train them again with "
