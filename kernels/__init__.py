@@ -14,7 +14,30 @@ probes for by importing it; that import finds a module without a version and not
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
+
+
+def _hand_over_to_the_hub_package() -> None:
+    """Imported as the top-level `kernels` (the checkout root first on sys.path, e.g. `python -m` or
+    pytest from the checkout) while the Hugging Face Hub's `kernels` package is installed (lmms-eval's
+    dependencies bring it): transformers then imports names of that package, so the installed one is
+    loaded in this module's place. The name is the only way to tell the two imports of this folder apart."""
+    here = Path(__file__).resolve().parent.parent
+    path = [p for p in sys.path if Path(p or ".").resolve() != here]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        return  # not installed: this module stays, without a version (transformers then ignores it)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # what the import statement that loaded this folder returns
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _hand_over_to_the_hub_package()
 
 # public name -> the module (absolute) that defines it. Helpers only the tests use (dispatch.INTERPRETED,
 # pagetable.pad_selection) are imported from their modules, not offered here.
