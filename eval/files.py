@@ -85,6 +85,15 @@ def read_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> list[dict]:
     return [row for _, row in read_jsonl_lines(path, what)]
 
 
+def write_jsonl_answers(path: Path, answers: Iterable[tuple[Any, str]]) -> Path:
+    """LLaVA's answers file (what `read_jsonl_answers` reads): one JSON row {"question_id", "text"} per
+    (question id, answer), written atomically at `path` with the suffix .jsonl; the path written."""
+    path = path.with_suffix(".jsonl")
+    lines = [json.dumps({"question_id": qid, "text": text}, ensure_ascii=False) for qid, text in answers]
+    atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
+    return path
+
+
 def read_jsonl_answers(
     path: Path, ids: set[str], what: str, key: Callable[[dict, str], str] | None = None
 ) -> tuple[dict[str, str], int]:

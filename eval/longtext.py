@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mm_oval.errors import ConfigError, DataError
-from mm_oval.files import atomic_write_text
 
-from .files import read_jsonl_answers
+from .files import read_jsonl_answers, write_jsonl_answers
 from .tasks import BUNDLED_SETS, Item, Rule, Task
 
 LONGTEXT_RULES = (
@@ -295,14 +294,7 @@ class LongTextTask(Task):
         return out
 
     def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:
-        path = path.with_suffix(".jsonl")
-        lines = [
-            json.dumps({"question_id": it.id, "text": predictions[it.id]}, ensure_ascii=False)
-            for it in items
-            if it.id in predictions
-        ]
-        atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
-        return path
+        return write_jsonl_answers(path, ((it.id, predictions[it.id]) for it in items if it.id in predictions))
 
 
 def _task_class(kind: str, length: str) -> type[LongTextTask]:

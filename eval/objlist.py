@@ -20,18 +20,16 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from mm_oval.errors import DataError
-from mm_oval.files import atomic_write_text
 from mm_oval.prompts import list_prompt, load_image
 from mm_oval.zoo import bundled576_data_dir
 
-from .files import read_jsonl_answers, read_jsonl_lines
+from .files import read_jsonl_answers, read_jsonl_lines, write_jsonl_answers
 from .tasks import DataOption, Item, Rule, Task, find_one
 from .vqa import find_image_dir
 
@@ -226,13 +224,4 @@ class ObjListTask(Task):
         return out
 
     def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:
-        path = path.with_suffix(".jsonl")
-        lines = [
-            json.dumps(
-                {"question_id": it.meta["question_id"], "text": predictions[it.id]}, ensure_ascii=False
-            )
-            for it in items
-            if it.id in predictions
-        ]
-        atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
-        return path
+        return write_jsonl_answers(path, ((it.meta["question_id"], predictions[it.id]) for it in items if it.id in predictions))
