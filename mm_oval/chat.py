@@ -27,7 +27,7 @@ from .config import OvalConfig
 from .errors import ConfigError
 from .geometry import FIXED, family_of, grid_shape, language_model, tokens_per_view
 from .prompts import chat_prompt, load_image, to_model
-from .stats import cache_stats
+from .telemetry import cache_stats
 from .wrapper import is_wrapped, make_policies, new_cache, wrap_info, wrapped
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "mm_oval.training.cli_smol",
         "train bundled-smol's projector and LoRA adapter (SmolLM2 as a LLaVA's language model)",
     ),
-    "zoo": ("mm_oval.zoo.cli", "generate the bundled benchmark / train the bundled tiny LLaVA"),
+    "zoo": ("mm_oval.cli_zoo", "generate the bundled benchmark / train the bundled tiny LLaVA"),
     "chat": ("mm_oval.cli_chat", "chat about an image with a (wrapped) model"),
 }
 

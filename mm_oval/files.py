@@ -6,6 +6,9 @@
 The folder is created when missing. The file gets the user's usual permissions (0666 less the umask), like
 any file the user creates. A temporary file left behind by a killed writer is named `.{name}.{random}.tmp`
 and removed by `remove_stale_tmp` (the evaluation runner calls it under its folder lock).
+
+`load_checkpoint` reads a training checkpoint back with `torch.load(weights_only=True)`: tensors and plain
+data only, never pickled objects.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import re
 import secrets
 from pathlib import Path
 from typing import Any
+
+from .errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +92,31 @@ def is_missing(cell: Any) -> bool:
     if isinstance(cell, float):
         return math.isnan(cell)
     return type(cell).__name__ in ("NAType", "NaTType")
+
+
+def load_checkpoint(path: str | Path, what: str = "checkpoint") -> dict:
+    """A training checkpoint written with `torch.save` of tensors and plain data, read with
+    `weights_only=True`. A missing, truncated or pickle-only file is a DataError naming it."""
+    import pickle
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise DataError(
+            f"{what} {path} holds objects other than tensors and plain data (it may come from an older mm-oval "
+            "or another program); it is not loaded, since unpickling it could run code. Start over without it "
+            "(delete it or use another output directory)"
+        ) from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        brief = " ".join(str(e).split())
+        raise DataError(
+            f"{what} {path} is truncated or not a PyTorch checkpoint ({brief}); delete it to start over"
+        ) from e
+    if not isinstance(state, dict):
+        raise DataError(f"{what} {path} holds a {type(state).__name__}, not a checkpoint dict")
+    return state

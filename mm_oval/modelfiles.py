@@ -16,8 +16,7 @@ It resolves those and calls `load_llava`, which checks what it loads:
 - Hub ids that are not local folders go to transformers as they are, safetensors only unless allowed.
   `trust_remote_code` is never passed: a config that needs custom code is refused.
 
-`load_checkpoint` reads a training checkpoint with `torch.load(weights_only=True)`: only tensors and plain
-data (dicts, lists, numbers, strings) come back; anything that would need pickle to run code is refused.
+Training checkpoints are read by `mm_oval.files.load_checkpoint` (`torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import argparse
 import json
 import logging
 import os
-import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoProcessor
 
 from .bundled import resolve_model_path
-from .errors import ConfigError, DataError, ModelError
+from .errors import ConfigError, ModelError
 from .geometry import SUPPORTED_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -280,26 +278,3 @@ def load_from_args(args: argparse.Namespace, model: str | None = None) -> tuple[
         allow_pickle_weights=args.allow_pickle_weights,
     )
     return (*loaded, time.perf_counter() - t0)
-
-
-def load_checkpoint(path: str | Path, what: str = "checkpoint") -> dict:
-    """A training checkpoint written with `torch.save` of tensors and plain data, read with
-    `weights_only=True`. A missing, truncated or pickle-only file is a DataError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{what} {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise DataError(
-            f"{what} {path} holds objects other than tensors and plain data (it may come from an older mm-oval "
-            "or another program); it is not loaded, since unpickling it could run code. Start over without it "
-            "(delete it or use another output directory)"
-        ) from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise DataError(
-            f"{what} {path} is truncated or not a PyTorch checkpoint ({_brief(e)}); delete it to start over"
-        ) from e
-    if not isinstance(state, dict):
-        raise DataError(f"{what} {path} holds a {type(state).__name__}, not a checkpoint dict")
-    return state

@@ -60,7 +60,7 @@ from .core import Rope
 from .errors import ConfigError
 from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry, is_text_only, language_model
 from .registry import make_eviction, make_retrieval
-from .stats import cache_stats
+from .telemetry import cache_stats
 
 logger = logging.getLogger(__name__)
 

@@ -92,13 +92,7 @@ def test_no_module_edits_sys_path():
     assert not edits, f"sys.path is touched at {edits}"
 
 
-# Edges not yet removed, each closing a loop through an import inside a function. stats -> wrapper:
-# `stats.get_stats` asks `wrapper.last_stats` at call time while the wrapper imports stats' figures; it goes
-# when the figures move below the wrapper (the telemetry module of the layout). modelfiles -> zoo:
-# `load_model("bundled-smol")` builds the real-LM LLaVA from the zoo's vision tower (zoo.smol) at call time,
-# while the zoo's check and trainer load through modelfiles; it goes when the zoo's loaders move below
-# modelfiles.
-KNOWN_EDGES = {("stats", "wrapper"), ("modelfiles", "zoo")}
+KNOWN_EDGES: set[tuple[str, str]] = set()  # edges allowed to close a loop: none
 
 
 def test_the_folders_import_one_another_without_a_loop():

@@ -15,7 +15,7 @@ from ..config import OvalConfig
 from ..core import RequestState, Rope, StepState
 from ..errors import ConfigError
 from ..geometry import Geometry
-from ..stats import RetrievalMonitor
+from ..telemetry import RetrievalMonitor
 from .decode import MaskedDecode, choose_backend
 from .layer import PagedLayer
 from .request import RequestInfo, request_info

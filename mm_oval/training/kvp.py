@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DataError, ResultsError
-from ..files import atomic_write_bytes, atomic_write_json
+from ..files import atomic_write_bytes, atomic_write_json, load_checkpoint
 from ..geometry import FIXED, family_of, grid_shape
-from ..modelfiles import load_checkpoint
 from ..policies.base import PAD, PrefillContext, make_eviction
 from ..policies.kvp_agents import EXTRA_FEATURES, KVPAgentConfig, KVPAgents
 from ..policies.kvp_features import extra_features

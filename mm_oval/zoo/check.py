@@ -22,15 +22,15 @@ import logging
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
 
 from ..bundled import resolve_data
 from ..errors import DataError, ModelError
-from ..modelfiles import load_model
 from ..prompts import chat_prompt, short_answer_prompt
-from . import bundled_data_dir, bundled_model_path
+from . import bundled_data_dir
 from .generate import BACKGROUND, image_name
 
 log = logging.getLogger(__name__)
@@ -230,13 +230,9 @@ def _attention_by_type(items: list[dict], attn: list[dict], grid: int) -> dict:
     return out
 
 
-def grounding_report(model_path: str | Path | None = None, data_dir: str | Path | None = None, limit: int | None = None,
-                     model=None, processor=None) -> dict:  # fmt: skip
-    """The grounding figures of a checkpoint (default: the bundled one) on a dev set (default: the bundled
-    dev set at the model's geometry)."""
-    if model is None:
-        model_path = Path(model_path) if model_path else bundled_model_path()
-        model, processor = load_model(model_path, "cpu", attn_implementation="eager")
+def grounding_report(model: Any, processor: Any, data_dir: str | Path | None = None, limit: int | None = None) -> dict:
+    """The grounding figures of a loaded checkpoint (`mm-oval zoo check` loads it, eager attention) on a dev
+    set (default: the bundled dev set at the model's geometry)."""
     grid = model_grid(model)
     if data_dir:
         data_dir = resolve_data(data_dir)

@@ -108,10 +108,12 @@ def build_processor(tokenizer: Any) -> Any:
 
 
 def _tower_model():
-    from ..modelfiles import load_llava
+    """The bundled 576 LLaVA (safetensors in the package), for its vision tower."""
+    from transformers import LlavaForConditionalGeneration
 
-    model, _ = load_llava("bundled576", "cpu", torch.float32)
-    return model
+    from . import bundled576_model_path
+
+    return LlavaForConditionalGeneration.from_pretrained(str(bundled576_model_path()), dtype=torch.float32)
 
 
 @torch.no_grad()

@@ -38,8 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, DataError
-from ..files import atomic_write_bytes
-from ..modelfiles import load_checkpoint
+from ..files import atomic_write_bytes, load_checkpoint
 from . import circuit
 from .generate import COLORS, GRID, LETTERS, MMB_SUFFIX, SHAPES, VQA_SUFFIX, Question, TrainSampler
 from .model import TinyLlavaSizes, build_tiny_llava, pixel_values

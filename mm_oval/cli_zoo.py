@@ -9,13 +9,15 @@ import logging
 from dataclasses import fields
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..files import atomic_write_text
-from .check import grounding_report
-from .generate import DevSizes, generate_dev_sets
-from .generate576 import DevSizes as DevSizes576
-from .generate576 import generate_dev_sets576
-from .train import TinyLlavaTrainConfig, train
+from .errors import ConfigError
+from .files import atomic_write_text
+from .modelfiles import load_model
+from .zoo import bundled_model_path
+from .zoo.check import grounding_report
+from .zoo.generate import DevSizes, generate_dev_sets
+from .zoo.generate576 import DevSizes as DevSizes576
+from .zoo.generate576 import generate_dev_sets576
+from .zoo.train import TinyLlavaTrainConfig, train
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
         print(path)
         return 0
     if args.zoo_command == "train576":
-        from .build576 import train576
-        from .vision576 import LossWeights
+        from .zoo.build576 import train576
+        from .zoo.vision576 import LossWeights
 
         for name in ("vision_steps", "batch"):
             if getattr(args, name) < 1:
@@ -135,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         print(path)
         return 0
     if args.zoo_command == "check":
-        report = grounding_report(model_path=args.model, data_dir=args.data)
+        model, processor = load_model(args.model or bundled_model_path(), "cpu", attn_implementation="eager")
+        report = grounding_report(model, processor, data_dir=args.data)
         text = json.dumps(report, indent=1)
         print(text)
         if args.json:
