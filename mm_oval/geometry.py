@@ -335,19 +335,7 @@ def image_geometry(
             "mm-oval reads padding from a 2-D attention_mask (batch, tokens); a prepared 4-D mask is not supported"
         )
     if fam == TEXT_ONLY:  # a plain LM: every token is text
-        if any(inputs.get(k) is not None for k in GEOMETRY_INPUTS if k != "position_ids"):
-            raise ConfigError(
-                f"{type(model).__name__} is a language model without a vision tower: pass input_ids only, "
-                "no pixel values"
-            )
-        none = torch.zeros(B, N, dtype=torch.bool, device=device)
-        return Geometry(
-            none,
-            none.clone(),
-            torch.full((B, N, 3), -1, dtype=torch.long, device=device),
-            [[] for _ in range(B)],
-            image_tokens=[[] for _ in range(B)],
-        )
+        return _text_only_geometry(model, B, N, device, inputs)
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     is_image = torch.zeros(B, N, dtype=torch.bool, device=device)
     is_newline = torch.zeros(B, N, dtype=torch.bool, device=device)
@@ -357,14 +345,45 @@ def image_geometry(
         per, n_tok = _view_tokens(model), int(((input_ids == cfg.image_token_id) & valid).sum())
         if n_tok and per > 0 and n_tok % per == 0:
             images = [[_base_part(model)] for _ in range(n_tok // per)]
-    # one per part: (sample, first index, video?, image number in the request, part, its (M, 2) indices)
-    records: list[tuple[int, int, bool, int, Part, torch.Tensor]] = []
-    counts: list[list[int]] = [[] for _ in range(B)]
-    grids_extra: list[tuple[int, int, int, bool]] = []  # (sample, start, length, video) of pixel-less runs
     streams = [(cfg.image_token_id, images, False, "pixel_values")]
     vid = getattr(cfg, "video_token_id", None)
     if vid is not None:
         streams.append((vid, videos, True, "pixel_values_videos"))
+    records, counts, grids_extra = _match_parts(model, input_ids, valid, streams, is_image, rc)
+    grids = _place_grids(records, grids_extra, counts, is_image, is_newline, rc)
+    geo = Geometry(is_image, is_newline, rc, grids, image_tokens=counts)
+    if fam == THW:
+        geo.rope_positions, geo.rope_deltas = _mrope(model, input_ids, valid, inputs)
+    return geo
+
+
+def _text_only_geometry(model: Any, B: int, N: int, device: torch.device, inputs: dict) -> Geometry:
+    """A plain LM's request: every token is text; pixel inputs are refused."""
+    if any(inputs.get(k) is not None for k in GEOMETRY_INPUTS if k != "position_ids"):
+        raise ConfigError(
+            f"{type(model).__name__} is a language model without a vision tower: pass input_ids only, "
+            "no pixel values"
+        )
+    none = torch.zeros(B, N, dtype=torch.bool, device=device)
+    return Geometry(
+        none,
+        none.clone(),
+        torch.full((B, N, 3), -1, dtype=torch.long, device=device),
+        [[] for _ in range(B)],
+        image_tokens=[[] for _ in range(B)],
+    )
+
+
+def _match_parts(model: Any, input_ids: torch.Tensor, valid: torch.Tensor, streams: list, is_image: torch.Tensor,
+                 rc: torch.Tensor) -> tuple[list, list[list[int]], list[tuple[int, int, int, bool]]]:  # fmt: skip
+    """The placeholders of each stream (image, video) matched to the parts its pixel inputs make, in the
+    model's scatter order: one record per part (sample, first index, video?, image number in the request,
+    part, its (M, 2) indices), the image token counts per sample, and the (sample, start, length, video) of
+    pixel-less runs (marked as one-row grids in `is_image`/`rc` by `_runs_as_rows`)."""
+    B = input_ids.shape[0]
+    records: list[tuple[int, int, bool, int, Part, torch.Tensor]] = []
+    counts: list[list[int]] = [[] for _ in range(B)]
+    grids_extra: list[tuple[int, int, int, bool]] = []
     for token_id, per_image, is_video, what in streams:
         where = ((input_ids == token_id) & valid).nonzero()  # (M, 2), row-major: the model's scatter order
         if not per_image:  # placeholders without pixels (the model embeds them as they are)
@@ -394,11 +413,18 @@ def image_geometry(
                 if p.n_tokens:
                     records.append((int(idx[0, 0]), int(idx[0, 1]), is_video, i, p, idx))
                 k += p.n_tokens
-    # grids numbered per sample in prompt order; images (and videos) numbered per sample too
-    records.sort(key=lambda r: (r[0], r[1]))
-    grids: list[list[Grid]] = [[] for _ in range(B)]
+    return records, counts, grids_extra
+
+
+def _place_grids(records: list, grids_extra: list, counts: list[list[int]], is_image: torch.Tensor,
+                 is_newline: torch.Tensor, rc: torch.Tensor) -> list[list[Grid]]:  # fmt: skip
+    """Each part's grid placed on the prompt (`is_image`, `is_newline`, `rc` = (grid, row, col)): grids
+    numbered per sample in prompt order, images (and videos) numbered per sample too; pixel-less runs
+    become one-row placeholder grids after them."""
+    device = rc.device
+    grids: list[list[Grid]] = [[] for _ in range(len(counts))]
     image_no: dict[tuple[int, bool, int], int] = {}
-    for b, start, is_video, i, p, idx in records:
+    for b, start, is_video, i, p, idx in sorted(records, key=lambda r: (r[0], r[1])):
         local = image_no.setdefault(
             (b, is_video, i), sum(1 for key in image_no if key[0] == b and key[1] == is_video)
         )
@@ -416,10 +442,7 @@ def image_geometry(
         grids[b].append(Grid(g, "placeholder", 1, length, start, is_video))
         rc[b, start : start + length, 0] = g
         counts[b].append(length)
-    geo = Geometry(is_image, is_newline, rc, grids, image_tokens=counts)
-    if fam == THW:
-        geo.rope_positions, geo.rope_deltas = _mrope(model, input_ids, valid, inputs)
-    return geo
+    return grids
 
 
 def _runs_as_rows(

@@ -213,37 +213,7 @@ def dynamic_labels(
 
     def assign(member: torch.Tensor, tiles: list[tuple[torch.Tensor, int]]) -> None:
         nonlocal label, offset
-        mu = _masked_mean_key(k, member)
-        spread = ((k - mu.unsqueeze(-2)).square().sum(-1) * member).sum(-1) / member.sum(-1).clamp_min(1)
-        spread = spread.clamp_min(1e-30).unsqueeze(-1)  # (B, H, 1)
-        # per level, each tile's dispersion as a share of the head's spread (the last level is never cut)
-        disp = [_tile_dispersion(k, member, t, n) / spread for t, n in tiles[:-1]]
-
-        def cut(threshold: torch.Tensor):
-            """-> per level the tokens that stay in that level's tile, and the page count per head."""
-            todo, stays, pages = member, [], 0
-            for i, (t, n) in enumerate(tiles):
-                if i < len(disp):
-                    over = disp[i] > threshold.unsqueeze(-1)
-                    accept = todo & ~over.gather(-1, t.clamp(min=0))
-                else:
-                    accept = todo
-                stays.append(accept)
-                pages = pages + _present(accept, t, n).sum(-1)
-                todo = todo & ~accept
-            return stays, pages
-
-        # the least threshold (per head, at least `split`) that keeps the head within its pages: the tiles
-        # whose keys spread most are cut first (bisection on the page count, which falls as it grows)
-        most = -(-member.sum(-1) // sizing.mean_tokens)
-        lo = torch.zeros_like(spread[..., 0])
-        hi = torch.stack([d.amax(-1) for d in disp], -1).amax(-1) + 1.0 if disp else lo + 1.0
-        for _ in range(24):
-            mid = (lo + hi) / 2
-            fits = cut(mid)[1] <= most
-            hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
-        stays, _ = cut(hi.clamp_min(sizing.split))
-        for (t, n), accept in zip(tiles, stays):
+        for (t, n), accept in zip(tiles, _sized_levels(k, member, tiles, sizing)):
             label = torch.where(accept, offset + t, label)
             offset += n
 
@@ -258,6 +228,44 @@ def dynamic_labels(
             levels.append((tile.unsqueeze(1).expand(B, H, N), n_tiles))
         assign(is_img, levels)
     return label, offset
+
+
+def _sized_levels(
+    k: torch.Tensor, member: torch.Tensor, tiles: list[tuple[torch.Tensor, int]], sizing: PageSizing
+) -> list[torch.Tensor]:
+    """Per level of `tiles` (finest last; tile ids (B, H, N) and their count), the `member` tokens that stay
+    in that level's tile: a tile is cut when its keys' dispersion, as a share of the head's spread, passes
+    the least threshold (per head, at least `sizing.split`) that keeps the head within its pages (one per
+    `sizing.mean_tokens` members); the tiles whose keys spread most are cut first. The last level is never
+    cut."""
+    mu = _masked_mean_key(k, member)
+    spread = ((k - mu.unsqueeze(-2)).square().sum(-1) * member).sum(-1) / member.sum(-1).clamp_min(1)
+    spread = spread.clamp_min(1e-30).unsqueeze(-1)  # (B, H, 1)
+    disp = [_tile_dispersion(k, member, t, n) / spread for t, n in tiles[:-1]]
+
+    def cut(threshold: torch.Tensor):
+        """-> per level the tokens that stay in that level's tile, and the page count per head."""
+        todo, stays, pages = member, [], 0
+        for i, (t, n) in enumerate(tiles):
+            if i < len(disp):
+                over = disp[i] > threshold.unsqueeze(-1)
+                accept = todo & ~over.gather(-1, t.clamp(min=0))
+            else:
+                accept = todo
+            stays.append(accept)
+            pages = pages + _present(accept, t, n).sum(-1)
+            todo = todo & ~accept
+        return stays, pages
+
+    # bisection on the threshold: the page count falls as it grows
+    most = -(-member.sum(-1) // sizing.mean_tokens)
+    lo = torch.zeros_like(spread[..., 0])
+    hi = torch.stack([d.amax(-1) for d in disp], -1).amax(-1) + 1.0 if disp else lo + 1.0
+    for _ in range(24):
+        mid = (lo + hi) / 2
+        fits = cut(mid)[1] <= most
+        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
+    return cut(hi.clamp_min(sizing.split))[0]
 
 
 def layout_pages(

@@ -104,24 +104,8 @@ def redundancy_scores(
     kn = torch.nn.functional.normalize(keys.float(), dim=-1)
     sim = torch.matmul(kn, kn.transpose(-1, -2)).clamp_(min=0)
     sim.mul_((pair if pair is not None else pair_kernel(modality, image_rc, sel.sigma))[:, None])
-    lam = float(sel.redundancy)
-    penalty = torch.zeros_like(z)  # redundancy * max sim to the kept tokens
-    gain = z.masked_fill(~img, float("-inf"))
-    rank = torch.full((B, H, N), float(N), device=s.device)
     walk = n_img if max_picks is None else max(0, min(n_img, int(max_picks)))
-    steps = torch.arange(walk, device=s.device, dtype=rank.dtype)
-    picks = torch.empty((B, H, walk), dtype=torch.long, device=s.device)
-    live = torch.empty((B, H, walk), dtype=torch.bool, device=s.device)
-    for t in range(walk):
-        best, j = gain.max(-1)  # (B, H); a row whose image tokens are all taken has best -inf
-        picks[..., t] = j
-        live[..., t] = best > float("-inf")
-        row = sim.gather(2, j[..., None, None].expand(B, H, 1, N)).squeeze(2)  # (B, H, N)
-        penalty = torch.maximum(penalty, lam * row)
-        gain = (z - penalty).masked_fill(gain == float("-inf"), float("-inf"))
-        gain.scatter_(-1, j[..., None], float("-inf"))
-    # a row that ran out of image tokens "picks" index 0 again: the lowest rank written to a token wins
-    rank.scatter_reduce_(-1, picks, torch.where(live, steps.expand(B, H, walk), float(N)), reduce="amin")
+    rank = _greedy_rank(z, sim, img, float(sel.redundancy), walk)
     if walk < n_img:  # the image tokens the walk did not reach follow its picks, in the agents' order
         rest = img & (rank == float(N))
         order = torch.where(rest, z, float("-inf")).argsort(dim=-1, descending=True, stable=True)
@@ -135,3 +119,27 @@ def redundancy_scores(
     r = rank.clamp(max=N - 1).long()
     out = torch.where(img, vals.gather(-1, r), s)
     return out.masked_fill(~valid, float("-inf"))
+
+
+def _greedy_rank(z: torch.Tensor, sim: torch.Tensor, img: torch.Tensor, lam: float, walk: int) -> torch.Tensor:
+    """The first `walk` steps of the greedy walk over each head's image tokens: each step picks the token of
+    highest z minus `lam` x its largest similarity to the tokens picked so far. -> (B, H, N) float rank of
+    each picked token (its step), N for the others."""
+    B, H, N = z.shape
+    penalty = torch.zeros_like(z)  # redundancy * max sim to the kept tokens
+    gain = z.masked_fill(~img, float("-inf"))
+    rank = torch.full((B, H, N), float(N), device=z.device)
+    steps = torch.arange(walk, device=z.device, dtype=rank.dtype)
+    picks = torch.empty((B, H, walk), dtype=torch.long, device=z.device)
+    live = torch.empty((B, H, walk), dtype=torch.bool, device=z.device)
+    for t in range(walk):
+        best, j = gain.max(-1)  # (B, H); a row whose image tokens are all taken has best -inf
+        picks[..., t] = j
+        live[..., t] = best > float("-inf")
+        row = sim.gather(2, j[..., None, None].expand(B, H, 1, N)).squeeze(2)  # (B, H, N)
+        penalty = torch.maximum(penalty, lam * row)
+        gain = (z - penalty).masked_fill(gain == float("-inf"), float("-inf"))
+        gain.scatter_(-1, j[..., None], float("-inf"))
+    # a row that ran out of image tokens "picks" index 0 again: the lowest rank written to a token wins
+    rank.scatter_reduce_(-1, picks, torch.where(live, steps.expand(B, H, walk), float(N)), reduce="amin")
+    return rank

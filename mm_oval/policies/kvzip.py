@@ -250,7 +250,6 @@ class KVzip(EvictionPolicy):
     ) -> KVzipRequest:
         if self._ids is None:
             self.bind(model)
-        repeat_ids, continue_ids, suffix_ids = self._ids
         lm = language_model(model)
         device = input_ids.device
         B, N = input_ids.shape
@@ -278,36 +277,46 @@ class KVzip(EvictionPolicy):
                 use_cache=True,
             )
             for c in range(n_chunks):
-                rep, rep_ok, target = self._repeat_batch(
-                    c, embeds, rank, n_valid, embed_tokens, repeat_ids, continue_ids, suffix_ids
-                )
-                R = rep.shape[1]
-                rep_pos = (n_valid.view(B, 1) + rep_ok.long().cumsum(-1) - 1).clamp(min=0)
-                in_softmax = target | (mask & (rank < self.n_sink))
-                chunk = _Chunk(
-                    n_ctx=N,
-                    key_ok=torch.cat([in_softmax, rep_ok], dim=1),
-                    row_ok=rep_ok,
-                    target=target,
-                    rows_per_block=chunk_size,
-                    scores=scores,
-                )
-                token = _ACTIVE.set(chunk)
-                try:
-                    lm(
-                        inputs_embeds=rep,
-                        attention_mask=torch.cat([mask, rep_ok], dim=1).long(),
-                        position_ids=rep_pos,
-                        cache=cache,
-                        use_cache=True,
-                    )
-                finally:
-                    _ACTIVE.reset(token)
-                cache.crop(-R)  # back to the context alone
+                self._score_chunk(lm, cache, c, embeds, embed_tokens, mask, rank, n_valid, scores, chunk_size)
             del cache
         sink = (mask & (rank < self.n_sink)).unsqueeze(1)
         scores = [s.masked_fill(sink, 1.0).masked_fill(~mask.unsqueeze(1), 0.0) for s in scores]
         return KVzipRequest(scores=scores, chunks=n_chunks)
+
+    def _score_chunk(self, lm: Any, cache: DynamicCache, c: int, embeds: torch.Tensor, embed_tokens: Any,
+                     mask: torch.Tensor, rank: torch.Tensor, n_valid: torch.Tensor, scores: list[torch.Tensor],
+                     chunk_size: int) -> None:  # fmt: skip
+        """Context chunk `c` repeated after the context (under `capture_qk`): each layer's hook adds the
+        attention its repeat rows pay to the chunk's keys to `scores`; the cache is cropped back after."""
+        B = embeds.shape[0]
+        N = mask.shape[1]
+        repeat_ids, continue_ids, suffix_ids = self._ids
+        rep, rep_ok, target = self._repeat_batch(
+            c, embeds, rank, n_valid, embed_tokens, repeat_ids, continue_ids, suffix_ids
+        )
+        R = rep.shape[1]
+        rep_pos = (n_valid.view(B, 1) + rep_ok.long().cumsum(-1) - 1).clamp(min=0)
+        in_softmax = target | (mask & (rank < self.n_sink))
+        chunk = _Chunk(
+            n_ctx=N,
+            key_ok=torch.cat([in_softmax, rep_ok], dim=1),
+            row_ok=rep_ok,
+            target=target,
+            rows_per_block=chunk_size,
+            scores=scores,
+        )
+        token = _ACTIVE.set(chunk)
+        try:
+            lm(
+                inputs_embeds=rep,
+                attention_mask=torch.cat([mask, rep_ok], dim=1).long(),
+                position_ids=rep_pos,
+                cache=cache,
+                use_cache=True,
+            )
+        finally:
+            _ACTIVE.reset(token)
+        cache.crop(-R)  # back to the context alone
 
     def _repeat_batch(
         self, c, embeds, rank, n_valid, embed_tokens, repeat_ids, continue_ids, suffix_ids

@@ -140,28 +140,40 @@ def page_bases(
         order = torch.arange(t - 1, max(t - 1 - rank, -1), -1, device=k.device)
         basis = x.transpose(-1, -2) @ (u[..., order] * inv_sqrt[..., order].unsqueeze(-2))  # (..., P, D, r')
     else:
-        v = values.float()
-        y = (v - _masked_mean(v, token_mask).unsqueeze(-2)) * m
-        ygyt = _metric_gram(y, metric.float())  # (..., P, T, T)
-        tr_k = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-30)  # tr(X^T X)
-        tr_o = (ygyt * gram).sum((-1, -2)).clamp_min(1e-30)  # tr(X^T Y G Y^T X)
-        eye = torch.eye(t, device=k.device, dtype=k.dtype)
-        a = ((1.0 - eta) / tr_k)[..., None, None] * eye + (eta / tr_o)[..., None, None] * ygyt
-        s = lam.sqrt()
-        c = s.unsqueeze(-1) * (u.transpose(-1, -2) @ a @ u) * s.unsqueeze(-2)
-        c = 0.5 * (c + c.transpose(-1, -2))
-        sig, q = torch.linalg.eigh(c)
-        order = torch.arange(t - 1, max(t - 1 - rank, -1), -1, device=k.device)
-        q_top = q[..., order]  # (..., P, T, r')
-        # rows of Q on discarded (zero) eigen-directions of the Gram are zero by construction of C
-        basis = x.transpose(-1, -2) @ (u @ (inv_sqrt.unsqueeze(-1) * q_top))
-        # directions C has no energy on carry no information: zero them rather than keep noise
-        basis = basis * (sig[..., order] > sig[..., -1:].clamp_min(0.0) * 1e-6).unsqueeze(-2).float()
+        basis = _oval_basis(x, gram, lam, u, inv_sqrt, values, token_mask, metric, eta, rank)
     r_eff = basis.shape[-1]
     if r_eff < rank:  # pages shorter than the rank: pad with zero directions
         basis = torch.nn.functional.pad(basis, (0, rank - r_eff))
     coeffs = x @ basis  # (..., P, T, r)
     return PageBasisSummary(mu.to(out_dtype), basis.to(out_dtype), coeffs.to(out_dtype), token_mask)
+
+
+def _oval_basis(x: torch.Tensor, gram: torch.Tensor, lam: torch.Tensor, u: torch.Tensor, inv_sqrt: torch.Tensor,
+                values: torch.Tensor, token_mask: torch.Tensor, metric: torch.Tensor, eta: float,
+                rank: int) -> torch.Tensor:  # fmt: skip
+    """OVAL's basis (..., P, D, r') from the centred keys `x` and their Gram eigensystem (`lam`, `u`,
+    `inv_sqrt` with discarded directions at zero): the top directions of the blend of key energy (1 - eta)
+    and output energy through the metric (eta), each normalised by its trace."""
+    t = x.shape[-2]
+    m = token_mask.unsqueeze(-1).float()
+    v = values.float()
+    y = (v - _masked_mean(v, token_mask).unsqueeze(-2)) * m
+    ygyt = _metric_gram(y, metric.float())  # (..., P, T, T)
+    tr_k = gram.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-30)  # tr(X^T X)
+    tr_o = (ygyt * gram).sum((-1, -2)).clamp_min(1e-30)  # tr(X^T Y G Y^T X)
+    eye = torch.eye(t, device=x.device, dtype=x.dtype)
+    a = ((1.0 - eta) / tr_k)[..., None, None] * eye + (eta / tr_o)[..., None, None] * ygyt
+    s = lam.sqrt()
+    c = s.unsqueeze(-1) * (u.transpose(-1, -2) @ a @ u) * s.unsqueeze(-2)
+    c = 0.5 * (c + c.transpose(-1, -2))
+    sig, q = torch.linalg.eigh(c)
+    order = torch.arange(t - 1, max(t - 1 - rank, -1), -1, device=x.device)
+    q_top = q[..., order]  # (..., P, T, r')
+    # rows of Q on discarded (zero) eigen-directions of the Gram are zero by construction of C
+    basis = x.transpose(-1, -2) @ (u @ (inv_sqrt.unsqueeze(-1) * q_top))
+    # directions C has no energy on carry no information: zero them rather than keep noise
+    basis = basis * (sig[..., order] > sig[..., -1:].clamp_min(0.0) * 1e-6).unsqueeze(-2).float()
+    return basis
 
 
 def layer_output_metric(module, cache: dict) -> torch.Tensor:
