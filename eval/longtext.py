@@ -15,11 +15,16 @@ Tasks (each at about 1k, 2k and 4k tokens of context, SmolLM2's tokenizer: `pass
   order (primary); also the share of keys in place.
 - `needle`: one fact hidden in the document ("The secret ingredient of the soup is saffron."); "What is
   the secret ingredient of the soup?". Correct when the answer holds the word.
-- `message`: a secret message of 8 words hidden in the document ("The secret message is: bring the
+- `message`: a secret message of 10 words hidden in the document ("The secret message is: bring the
   silver key to the old mill before noon."); "What is the secret message?": a longer answer decoded from
   the compressed cache. Correct when the answer holds the message's words in order (lowercase words).
-- `trio`: a pass key, a soup ingredient and a secret message in one document, three questions about it
-  (one per fact; the conversation setting asks them in turn over one compressed context).
+- `duo`: a pass key and a soup ingredient in one document, two questions about it (one per fact; the
+  conversation setting asks them in turn over one compressed context).
+- `trio`: a pass key, a soup ingredient and a secret message in one document, three questions about it.
+
+The task registry holds the kinds and lengths SmolLM2-135M-Instruct answers with the full cache at >= 80
+(`TASKS` in eval/tasks.py; docs/results/smollm2.md has the measurements); the generator makes every kind (KVP's text
+traces draw from all of them).
 
 Data: a folder (or the file itself) with `longtext.json`, {"seed": int, "per_length": int, "lengths":
 {"1k": sentences, ...}}, or `--data bundled` / `bundled576` for the project's own spec; the items are
@@ -60,7 +65,7 @@ BUNDLED_SPEC: dict[str, Any] = {
     "lengths": {"1k": 80, "2k": 164, "4k": 332},
 }
 LENGTHS = ("1k", "2k", "4k")
-KINDS = ("passkey", "doorkeys", "keylist", "needle", "message", "trio")
+KINDS = ("passkey", "doorkeys", "keylist", "needle", "message", "duo", "trio")
 DOORS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")
 INGREDIENTS = ("saffron", "ginger", "cinnamon", "nutmeg", "basil", "rosemary", "paprika", "vanilla",
                "oregano", "thyme", "cardamom", "turmeric", "lemongrass", "fennel", "mustard", "sage")  # fmt: skip
@@ -145,6 +150,15 @@ def generate(kind: str, length: str, spec: dict[str, Any]) -> list[Item]:
             msg = _message(rng)
             context = f"{PASSKEY_INTRO}\n\n{_document(rng, n_sent, [_MESSAGE.format(msg)])}"
             items.append(_item(cid, context, MESSAGE_QUESTION, {"message": msg}))
+        elif kind == "duo":
+            key, word = _key(rng, set()), rng.choice(INGREDIENTS)
+            facts = [f"The pass key is {key}. Remember it.", _INGREDIENT.format(word)]
+            order = rng.sample(range(2), 2)  # the facts' order in the document
+            context = f"{PASSKEY_INTRO}\n\n{_document(rng, n_sent, [facts[k] for k in order])}"
+            items += [
+                _item(f"{cid}-key", context, "What is the pass key?", {"key": key}, group=cid),
+                _item(f"{cid}-ingredient", context, INGREDIENT_QUESTION, {"word": word}, group=cid),
+            ]
         elif kind == "trio":
             key, word, msg = _key(rng, set()), rng.choice(INGREDIENTS), _message(rng)
             facts = [f"The pass key is {key}. Remember it.", _INGREDIENT.format(word), _MESSAGE.format(msg)]
@@ -167,7 +181,7 @@ MESSAGE_QUESTION = "What is the secret message?"
 
 
 def _message(rng: random.Random) -> str:
-    """Eight words: bring the <object> to the <place> before <time>."""
+    """Ten words: bring the <two-word object> to the <two-word place> before <time>."""
     return f"bring the {rng.choice(_MESSAGE_OBJECTS)} to the {rng.choice(_MESSAGE_PLACES)} before {rng.choice(_MESSAGE_TIMES)}"
 
 
@@ -313,6 +327,6 @@ def _task_class(kind: str, length: str) -> type[LongTextTask]:
     )
 
 
-# the registry's entries: mm_oval.eval.longtext:<class name>, one per kind and length
+# a class per kind and length (the task registry, eval/tasks.py, lists those SmolLM2 can do): mm_oval.eval.longtext:<class name>
 TASK_CLASSES = {f"{k}_{n}": _task_class(k, n) for k in KINDS for n in LENGTHS}
 globals().update({cls.__name__: cls for cls in TASK_CLASSES.values()})

@@ -112,6 +112,9 @@ def test_the_dev_sets_are_a_seed_same_items_every_time():
     assert len(a) == 8 and len({i.group for i in a}) == 2  # four doors per context
     for it in a:
         assert f"door is {it.meta['key']}." in it.context and it.meta["key"] not in it.prompt
+    duo = longtext.generate("duo", "1k", SMALL)
+    assert len(duo) == 4 and [i.group for i in duo] == ["1k-0", "1k-0", "1k-1", "1k-1"]
+    assert all(i.meta.get("key", i.meta.get("word")) in i.context for i in duo)
     other = longtext.generate("doorkeys", "1k", {**SMALL, "seed": 8})
     assert [i.context for i in other] != [i.context for i in a]
     bundled = get_task("passkey_2k").load(longtext.Path("/nonexistent-bundled"))
@@ -142,7 +145,7 @@ def test_a_bad_spec_names_the_file(tmp_path):
 
 def test_the_harness_runs_a_text_task_question_agnostic_and_in_turns(tiny_lm, byte_tokenizer, tmp_path):
     (tmp_path / "longtext.json").write_text(json.dumps(SMALL))
-    items = get_task("doorkeys_1k").load(tmp_path)
+    items = get_task("duo_1k").load(tmp_path)
     # the full cache: reading the question from the prefilled context gives the tokens of one prefill
     agnostic = generate_text(tiny_lm, byte_tokenizer, items[:2], 6, compress="context")
     whole = generate_text(tiny_lm, byte_tokenizer, items[:2], 6, compress="prompt")
@@ -151,15 +154,15 @@ def test_the_harness_runs_a_text_task_question_agnostic_and_in_turns(tiny_lm, by
     mm_oval.wrap(tiny_lm, method="snapkv", budget=1.0)
     try:
         assert generate_text(tiny_lm, byte_tokenizer, items[:2], 6, compress="context") == whole
-        turns = generate_text_conversation(tiny_lm, byte_tokenizer, items[:4], 6)
+        turns = generate_text_conversation(tiny_lm, byte_tokenizer, items[:2], 6)
     finally:
         mm_oval.unwrap(tiny_lm)
-    assert turns == generate_text_conversation(tiny_lm, byte_tokenizer, items[:4], 6)
+    assert turns == generate_text_conversation(tiny_lm, byte_tokenizer, items[:2], 6)
     assert turns[0] == whole[0]
     r = evaluate(
         tiny_lm,
         byte_tokenizer,
-        "doorkeys_1k",
+        "duo_1k",
         tmp_path,
         method="snapkv",
         budget=0.5,
@@ -168,10 +171,10 @@ def test_the_harness_runs_a_text_task_question_agnostic_and_in_turns(tiny_lm, by
         progress=False,
         max_new_tokens=4,
     )
-    assert r["scores"]["count"] == 8 and r["kv"]["kv_fraction_kept"] == pytest.approx(0.5, abs=0.02)
+    assert r["scores"]["count"] == 4 and r["kv"]["kv_fraction_kept"] == pytest.approx(0.5, abs=0.02)
     assert not mm_oval.is_wrapped(tiny_lm)
     with pytest.raises(ConfigError, match="'image' is for image tasks"):
-        evaluate(tiny_lm, byte_tokenizer, "doorkeys_1k", tmp_path, compress="image", progress=False)
+        evaluate(tiny_lm, byte_tokenizer, "duo_1k", tmp_path, compress="image", progress=False)
 
 
 @pytest.mark.real_lm
