@@ -4,7 +4,7 @@ deterministic in a seed, scored exactly. The harness's question-agnostic setting
 prefills and compresses the context before the question is read (kvpress's protocol); `--multi-turn K`
 asks the K questions of one context in turn over one compressed cache.
 
-Tasks (each at about 1k, 2k and 4k tokens of context, SmolLM2's tokenizer: `passkey_1k`, `passkey_2k`, ...):
+Kinds (each generated at about 1k, 2k and 4k tokens of context, SmolLM2's tokenizer):
 - `passkey`: one 5-digit pass key inside a document of unrelated sentences; "What is the pass key?".
   Correct when the first 5-digit number of the answer is the key.
 - `doorkeys`: four pass keys, one per coloured door ("The pass key of the red door is 12345."), the other
@@ -18,13 +18,14 @@ Tasks (each at about 1k, 2k and 4k tokens of context, SmolLM2's tokenizer: `pass
 - `message`: a secret message of 10 words hidden in the document ("The secret message is: bring the
   silver key to the old mill before noon."); "What is the secret message?": a longer answer decoded from
   the compressed cache. Correct when the answer holds the message's words in order (lowercase words).
-- `duo`: a pass key and a soup ingredient in one document, two questions about it (one per fact; the
-  conversation setting asks them in turn over one compressed context).
+- `duo`: a pass key (stated as in `passkey`) and a soup ingredient in one document, two questions about it
+  (one per fact; the conversation setting asks them in turn over one compressed context).
 - `trio`: a pass key, a soup ingredient and a secret message in one document, three questions about it.
 
-The task registry holds the kinds and lengths SmolLM2-135M-Instruct answers with the full cache at >= 80
-(`TASKS` in eval/tasks.py; docs/results/smollm2.md has the measurements); the generator makes every kind (KVP's text
-traces draw from all of them).
+The task registry (`TASKS` in eval/tasks.py) holds the kinds and lengths SmolLM2-135M-Instruct answers with
+the full cache at >= 80: `passkey_1k`, `needle_1k`, `message_1k`, `duo_1k` (docs/results/smollm2.md has the
+measurements; at ~2k tokens it scores 0-70). The generator makes every kind at every length (KVP's text
+traces draw from them).
 
 Data: a folder (or the file itself) with `longtext.json`, {"seed": int, "per_length": int, "lengths":
 {"1k": sentences, ...}}, or `--data bundled` / `bundled576` for the project's own spec; the items are
@@ -126,7 +127,7 @@ def generate(kind: str, length: str, spec: dict[str, Any]) -> list[Item]:
         cid = f"{length}-{i}"
         if kind == "passkey":
             key = _key(rng, set())
-            needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+            needle = _PASSKEY.format(key=key)
             context = f"{PASSKEY_INTRO}\n\n{_document(rng, n_sent, [needle])}"
             items.append(_item(cid, context, "What is the pass key?", {"key": key}))
         elif kind in ("doorkeys", "keylist"):
@@ -152,7 +153,7 @@ def generate(kind: str, length: str, spec: dict[str, Any]) -> list[Item]:
             items.append(_item(cid, context, MESSAGE_QUESTION, {"message": msg}))
         elif kind == "duo":
             key, word = _key(rng, set()), rng.choice(INGREDIENTS)
-            facts = [f"The pass key is {key}. Remember it.", _INGREDIENT.format(word)]
+            facts = [_PASSKEY.format(key=key), _INGREDIENT.format(word)]
             order = rng.sample(range(2), 2)  # the facts' order in the document
             context = f"{PASSKEY_INTRO}\n\n{_document(rng, n_sent, [facts[k] for k in order])}"
             items += [
@@ -174,6 +175,7 @@ def generate(kind: str, length: str, spec: dict[str, Any]) -> list[Item]:
     return items
 
 
+_PASSKEY = "The pass key is {key}. Remember it. {key} is the pass key."
 _INGREDIENT = "The secret ingredient of the soup is {}."
 INGREDIENT_QUESTION = "What is the secret ingredient of the soup? Answer with one word."
 _MESSAGE = "The secret message is: {}."

@@ -128,7 +128,7 @@ def check_model(model: Any, text_task: bool) -> None:
     if is_text_only(model):
         raise ModelError(
             f"{type(model).__name__} is a language model without a vision tower: image tasks need a LLaVA-style "
-            "model; for a plain LM pick a text task (passkey_1k, doorkeys_2k, keylist_1k, needle_4k, ...)"
+            "model; for a plain LM pick a text task (passkey_1k, needle_1k, message_1k, duo_1k)"
         )
     check_llava(model)
 

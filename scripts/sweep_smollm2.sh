@@ -6,7 +6,7 @@
 # resumes; the table and plot land in docs/results/<task>_smollm2.md / .png.
 #
 #   scripts/sweep_smollm2.sh                       # TASK=passkey_1k LIMIT=10 BUDGETS=0.1,0.25
-#   TASK=needle_2k BUDGETS=0.05,0.1,0.25,0.5 scripts/sweep_smollm2.sh
+#   TASK=needle_1k BUDGETS=0.05,0.1,0.25,0.5 scripts/sweep_smollm2.sh
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 TASK=${TASK:-passkey_1k}

@@ -117,7 +117,7 @@ def test_the_dev_sets_are_a_seed_same_items_every_time():
     assert all(i.meta.get("key", i.meta.get("word")) in i.context for i in duo)
     other = longtext.generate("doorkeys", "1k", {**SMALL, "seed": 8})
     assert [i.context for i in other] != [i.context for i in a]
-    bundled = get_task("passkey_2k").load(longtext.Path("/nonexistent-bundled"))
+    bundled = get_task("passkey_1k").load(longtext.Path("/nonexistent-bundled"))
     assert len(bundled) == longtext.BUNDLED_SPEC["per_length"]
 
 
