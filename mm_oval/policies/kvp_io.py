@@ -118,6 +118,10 @@ BUNDLED_AGENTS = {
     "bundled576-image": "tiny_llava576_kvp_image",
     # the same, joint-heads rankings (one scale for a layer's KV heads: `head_budget="shared"`)
     "bundled576-image-joint": "tiny_llava576_kvp_image_joint",
+    # SmolLM2-135M-Instruct (`--model smollm2`), question-agnostic on long-context text (`--compress
+    # context`), per-head rankings: traces of 168 generated contexts of 512 and 1k tokens (every kind of
+    # eval/longtext.py, seeds apart from the dev set's), 250 steps
+    "smollm2-context": "smollm2_kvp_context",
 }
 
 
