@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Every eviction and retrieval method on SmolLM2-135M-Instruct's real attention: the long-context text
 # tasks (eval/longtext.py), question-agnostic (--compress context: the context is prefilled and compressed
-# before the question is read). Default: the single pass key at ~1k tokens, the first 10 contexts of the
-# bundled dev set, 10% and 25% of the context KV; retrieval at equal bytes read per decode step. Each cell
-# resumes; the table and plot land in docs/results/<task>_smollm2.md / .png.
+# before the question is read), KVP with the agents fitted to SmolLM2 (smollm2-context). Default: the single
+# pass key at ~1k tokens, the first 10 contexts of the bundled dev set, 5 / 10 / 25 / 50% of the context KV;
+# retrieval at equal bytes read per decode step. Each cell resumes; the table and plot land in
+# docs/results/<task>_smollm2.md / .png. KVzip and retrieval cells cost the most.
 #
-#   scripts/sweep_smollm2.sh                       # TASK=passkey_1k LIMIT=10 BUDGETS=0.1,0.25
+#   scripts/sweep_smollm2.sh                       # TASK=passkey_1k LIMIT=10 BUDGETS=0.05,0.1,0.25,0.5
 #   TASK=needle_1k BUDGETS=0.05,0.1,0.25,0.5 scripts/sweep_smollm2.sh
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 TASK=${TASK:-passkey_1k}
 OUT=${OUT:-runs/smollm2}
-BUDGETS=${BUDGETS:-0.1,0.25}
+BUDGETS=${BUDGETS:-0.05,0.1,0.25,0.5}
 mkdir -p "$OUT" docs/results
 EVICTION=(expected_attention kvzip snapkv tova h2o streamingllm random knorm keydiff pyramidkv adakv
-          adakv:scorer=expected_attention fastv ${EXTRA_EVICTION:-})
+          adakv:scorer=expected_attention fastv kvp:agents=smollm2-context ${EXTRA_EVICTION:-})
 RETRIEVAL=(oval:read_bytes_budget quest:read_bytes_budget ${EXTRA_RETRIEVAL:-})
 OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model smollm2 --data bundled --task "$TASK" \
     --compress context --limit "${LIMIT:-10}" --budgets "$BUDGETS" --no-progress --out "$OUT/sweep-$TASK" \
