@@ -134,13 +134,14 @@ def test_a_checkout_kernels_folder_imported_as_top_level_kernels_runs_nothing():
     code = (
         "import sys, kernels; "
         "print(sorted(m for m in sys.modules if m == 'kernels' or m.startswith('mm_oval'))); "
-        "print(hasattr(kernels, '__version__'), kernels.__file__)"
+        "print(hasattr(kernels, '__version__'), 'torch' in sys.modules, kernels.__file__)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     modules, line = out.stdout.split("\n")[:2]
     assert modules == "['kernels']", out.stdout + out.stderr  # no mm_oval module, no op
-    has_version, file = line.split(" ", 1)
-    if hub is None:
-        assert has_version == "False" and Path(file).resolve().parent == (ROOT / "kernels").resolve()
+    has_version, has_torch, file = line.split(" ", 2)
+    if hub is None:  # the folder itself: nothing loaded, not even torch
+        assert has_version == "False" and has_torch == "False", out.stdout
+        assert Path(file).resolve().parent == (ROOT / "kernels").resolve()
     else:
         assert has_version == "True" and Path(file).resolve() == Path(hub.origin).resolve(), out.stdout
