@@ -83,10 +83,13 @@ def test_question_agnostic_text_trace_ends_at_the_context_and_the_question_is_fu
     # the keys are what a plain prefill of the head caches
     cache = model(input_ids=head, use_cache=True).past_key_values
     assert torch.allclose(tr["keys"][1].float(), cache.layers[1].keys[0].float(), atol=2e-3)
-    # future = the question with the assistant tag, then the greedy answer (6 tokens: no end of turn here)
+    # future = the question with the assistant tag, then the greedy answer cut before its end of turn (the
+    # random model may or may not emit one within 6 tokens: its weights are not the same on every CPU)
     ids = torch.cat([head, tail], dim=1)
-    gen = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert int(tr["future_len"]) == tail.shape[1] + gen.shape[1] - ids.shape[1]
+    new = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
+    answer_len = next((k for k, t in enumerate(new.tolist()) if t == tok.eos_token_id), len(new))
+    gen = torch.cat([ids, new[None, :answer_len]], dim=1)
+    assert int(tr["future_len"]) == tail.shape[1] + answer_len
     model.set_attn_implementation("eager")
     try:
         att = model(input_ids=gen, output_attentions=True).attentions
@@ -133,7 +136,8 @@ def test_text_pipeline_trains_agents_that_wrap_loads(tiny_lm, byte_tokenizer, tm
         stats = get_stats(model)
     finally:
         mm_oval.unwrap(model)
-    assert len(answers) == 1 and answers[0][1] == 4
+    # an answer of at most 4 tokens (fewer when the random model ends its turn), read from the compressed cache
+    assert len(answers) == 1 and 1 <= answers[0][1] <= 4
     assert stats["kv_fraction_kept"] == pytest.approx(0.25, abs=0.03)
     # a second call resumes every stage: nothing is captured or trained again
     again = train(model, tok, tmp_path, cfg, KVPTrainConfig(steps=2, batch_samples=2, rankings=4, warmup=1))
