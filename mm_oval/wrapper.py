@@ -209,12 +209,18 @@ def _attn_pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
 
 
 def _lm_pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
-    """The prompt's input embeddings (image features merged in), for a retrieval policy that needs them."""
+    """The prompt's input embeddings (image features merged in; a plain LM's token embeddings), for a
+    retrieval policy that needs them."""
     cache = _cache_from_kwargs(kwargs)
     if not isinstance(cache, PagedMultimodalCache) or cache.retrieval is None:
         return
+    if not cache.retrieval.needs_inputs_embeds or cache.get_seq_length() != 0:
+        return
     embeds = kwargs.get("inputs_embeds")
-    if cache.retrieval.needs_inputs_embeds and embeds is not None and cache.get_seq_length() == 0:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if embeds is None and ids is not None:  # a plain LM called with input_ids: its own token embeddings
+        embeds = module.get_input_embeddings()(ids)
+    if embeds is not None:
         cache.request.inputs_embeds = embeds.detach()
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from ..cache import request_info
 from ..config import DEFAULT_IMAGE_TILE
 from ..errors import ConfigError, DataError, ModelError
-from ..geometry import GEOMETRY_INPUTS, image_geometry
+from ..geometry import GEOMETRY_INPUTS, image_geometry, language_model
 from ..measures import capture_qk, group_mean, page_mass
 from ..pages import layout_pages
 from ..policies.base import IMAGE, PAD
@@ -58,8 +59,9 @@ class RouterSample:
 
 @dataclass
 class Prompt:
-    image: Any  # PIL image
-    text: str  # user text after the image
+    image: Any  # PIL image (None for a text prompt)
+    text: str  # user text after the image (a text prompt: the question after the context)
+    context: str | None = None  # a text prompt's document, read before the question (eval/longtext.py)
 
 
 def zoo_prompts(n: int, seed: int, geometry: int = 64) -> list[Prompt]:
@@ -78,27 +80,34 @@ def zoo_prompts(n: int, seed: int, geometry: int = 64) -> list[Prompt]:
 
 
 def load_prompts(spec: str, seed: int = 0) -> list[Prompt]:
-    """`zoo:N` (the bundled generator's train split; `zoo576:N` the 576-token one's), `toy:N`, an MMBench TSV
-    or a JSONL of {image, question}."""
+    """`zoo:N` (the bundled generator's train split; `zoo576:N` the 576-token one's), `toy:N`, an MMBench TSV,
+    a JSONL of {image, question}, or `longtext:train:N[:lengths[:kinds]]` (text prompts: a generated
+    document, then its question; never the dev set's seeds)."""
     if spec.startswith("zoo"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else 256
         return zoo_prompts(n, seed, 576 if spec.split(":", 1)[0] == "zoo576" else 64)
 
     samples = load_samples(spec, seed=seed)
     out = [Prompt(s.images[0], s.question) for s in samples if s.images]
+    out += [Prompt(None, s.question, context=s.context) for s in samples if not s.images and s.context]
     if not out:
-        raise DataError(f"router data {spec!r}: no sample with an image")
+        raise DataError(f"router data {spec!r}: no sample with an image or a text context")
     return out
 
 
 def hidden_and_embeds_hooks(lm: Any, box: dict[str, Any]) -> list:
     """Hooks on a language model that keep, in `box`, its final hidden states ("hidden": the output of its
     last norm) and its input embeddings ("embeds") of the latest forward; remove them when done."""
+
+    def embeds(module: Any, args: tuple, kwargs: dict) -> None:
+        x = kwargs.get("inputs_embeds")
+        if x is None:  # a plain LM called with input_ids: its own token embeddings
+            x = module.embed_tokens(kwargs["input_ids"] if "input_ids" in kwargs else args[0])
+        box["embeds"] = x.detach()
+
     return [
         lm.norm.register_forward_hook(lambda m, a, o: box.__setitem__("hidden", o.detach())),
-        lm.register_forward_pre_hook(
-            lambda m, a, kw: box.__setitem__("embeds", kw["inputs_embeds"].detach()), with_kwargs=True
-        ),
+        lm.register_forward_pre_hook(embeds, with_kwargs=True),
     ]
 
 
@@ -607,10 +616,11 @@ def capture_router2_data(
     score of each page (`base`, a RetrievalPolicy: its own summarize / score_pages over the cache's page
     layout), from this query and from the previous position's."""
     from ..core import DecodeContext, PageBatch, RequestState
+    from ..eval.textgen import tokenizer_of
     from ..policies.router2 import BASE_FLOOR
 
-    lm = _lm(model)
-    text = model.config.text_config
+    lm = language_model(model)
+    text = model.config.get_text_config()
     hkv = text.num_key_value_heads
     group = text.num_attention_heads // hkv
     box: dict[str, Any] = {}
@@ -618,25 +628,26 @@ def capture_router2_data(
     out: list[Router2Sample] = []
     with hooked(model, hooks):
         for prompt in prompts:
-            msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
-            chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
-            inputs = processor(images=[prompt.image], text=[chat], return_tensors="pt").to(model.device)
+            inputs, info, n_content = _router2_prompt(model, processor, prompt, sink_tokens, recent_tokens)
             ids = inputs["input_ids"]
             n = ids.shape[1]
             model.set_attn_implementation("sdpa")
-            seq = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-            geo = image_geometry(model, ids, None, **{k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS})
+            pad = getattr(tokenizer_of(processor), "pad_token_id", None)
+            seq = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
             extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
             with capture_qk(lm) as cap:
                 model(input_ids=seq, attention_mask=torch.ones_like(seq), **extra)
-            info = request_info(ids, None, None, 0, sink_tokens, recent_tokens, geometry=geo)
             keep = (info.modality != PAD).unsqueeze(1).expand(1, hkv, n)
             lay = layout_pages(
                 keep, info.modality, info.positions, info.image_rc, info.protected, image_tile, text_page_size
             )
             p = int((lay.page_len[0, 0] > 0).sum())
             page_len, kind = lay.page_len[..., :p], lay.page_kind[..., :p]
-            cand = (kind == IMAGE) & ~lay.page_pinned[..., :p]
+            # the pages a read budget applies to, as the cache's read_scope makes them: image pages of an
+            # image prompt, every page of a text prompt (pinned sink and recent pages are always read)
+            cand = ~lay.page_pinned[..., :p] & (page_len > 0)
+            if prompt.context is None:
+                cand &= kind == IMAGE
             t = int(page_len.max())
             offs = torch.arange(t, device=ids.device)
             slot = (lay.page_start[..., :p, None] + offs).clamp(max=lay.src.shape[-1] - 1)
@@ -647,11 +658,11 @@ def capture_router2_data(
             ok = lay.src[0, 0] >= 0
             tok_page[lay.src[0, 0][ok]] = lay.slot_page[0, 0][ok]
             embeds = box["embeds"]
-            normed = F.layer_norm(embeds.float(), embeds.shape[-1:])
+            normed = F.layer_norm(embeds[:, :n_content].float(), embeds.shape[-1:])
             content = pool_page_content(normed, tok_idx[:, :1])[0][0, 0]  # (P, hidden)
-            last_img = int((info.modality[0] == IMAGE).nonzero().max())
+            img = (info.modality[0] == IMAGE).nonzero()
             total = seq.shape[1]
-            rows = list(range(max(n - prompt_queries, last_img + 2), total))
+            rows = list(range(max(n - prompt_queries, int(img.max()) + 2 if img.numel() else 1), total))
             if not rows:
                 continue
             mass = torch.zeros(len(rows), len(cap.layers), hkv, p)
@@ -694,6 +705,33 @@ def capture_router2_data(
     if not out:
         raise DataError("no routed query was captured: the prompts produced no decode step")
     return out
+
+
+def _router2_prompt(
+    model: Any, processor: Any, prompt: Prompt, sink_tokens: int, recent_tokens: int
+) -> tuple[dict[str, torch.Tensor], Any, int]:
+    """One prompt's model inputs, its tokens' request info (modality, positions, pinned tokens) as the cache
+    makes it, and how many leading tokens' input embeddings the page contents pool: every prompt token of an
+    image prompt; the context's tokens of a text prompt (the harness prefills the context first, and the
+    wrapper keeps the input embeddings of a request's first forward only)."""
+    device = next(model.parameters()).device
+    if prompt.context is not None:
+        from ..eval.textgen import split_prompt, tokenizer_of
+
+        asked = SimpleNamespace(context=prompt.context, prompt=prompt.text)
+        head, tail = split_prompt(tokenizer_of(processor), asked, device)
+        ids = torch.cat([head, tail], dim=1)
+        info = request_info(ids, None, None, 0, sink_tokens, recent_tokens, geometry=image_geometry(model, ids))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, info, head.shape[1]
+    if prompt.image is None:
+        raise DataError(f"router prompt {prompt.text[:40]!r} has neither an image nor a text context")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
+    chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
+    inputs = processor(images=[prompt.image], text=[chat], return_tensors="pt").to(device)
+    ids = inputs["input_ids"]
+    geo = image_geometry(model, ids, None, **{k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS})
+    info = request_info(ids, None, None, 0, sink_tokens, recent_tokens, geometry=geo)
+    return dict(inputs), info, ids.shape[1]
 
 
 _R2_FIELDS = ("content", "kind", "candidate", "last_hidden", "mass", "base", "base_prev")
@@ -998,7 +1036,7 @@ def new_router2(model: Any, base: str = "quest", **sizes: Any) -> Any:
     """A fresh (zero-correction) router v2 shaped for `model`, its config naming the model."""
     from ..policies.router2 import Router2Config, Router2Net
 
-    text = model.config.text_config
+    text = model.config.get_text_config()
     cfg = Router2Config(
         hidden_size=int(text.hidden_size),
         num_layers=int(text.num_hidden_layers),
