@@ -148,3 +148,40 @@ def test_train_smol_resumes_exactly(smol_llava, tmp_path):
         want = forward_packed(resumed.model.eval(), packed, pixel_values([item.image]))
         got = forward_packed(merged, packed, pixel_values([item.image]))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.real_lm
+def test_the_bundled_smollm2_router2_serves_smollm2_and_reads_the_pages_of_its_context(smollm2, tiny_lm):
+    """`router2:weights=smollm2-oval2` (trained on SmolLM2's text pages over compact OVAL rank 2) loads for
+    SmolLM2, refuses another model, and at decode pools the context's token embeddings into its records."""
+    import mm_oval
+    from mm_oval.policies.router2 import Router2Retrieval, bundled_router2_path, load_router2
+    from mm_oval.wrapper import wrap_info
+
+    model, tok = smollm2
+    net = load_router2(bundled_router2_path("smollm2-oval2"))
+    assert net.config.base == "oval" and net.config.base_options["rank"] == 2 and not net.correction_is_zero()
+    Router2Retrieval(weights="smollm2-oval2", model=model)  # its own model: no error
+    with pytest.raises(ModelError, match="another model"):
+        mm_oval.wrap(tiny_lm, retrieval="router2", retrieval_options={"weights": "smollm2-oval2"})
+    msgs = [{"role": "user", "content": "The pass key is 71432. Remember it. " * 12 + "What is the pass key?"}]
+    inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    mm_oval.wrap(model, retrieval="router2", retrieval_options={"weights": "smollm2-oval2"}, read_bytes_budget=0.5)
+    try:
+        records = []
+        policy = wrap_info(model).retrieval
+        inner = policy.summarize
+
+        def summarize(pages):
+            out = inner(pages)
+            records.append(Router2Retrieval.page_embeddings(out))
+            return out
+
+        policy.summarize = summarize
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    finally:
+        mm_oval.unwrap(model)
+    assert "71432" in tok.decode(out[0, inputs["input_ids"].shape[1] :])
+    # the page records differ between pages (content), not one kind embedding for every text page
+    pages = torch.cat([r[0, 0] for r in records])  # every page's record (KV head 0), of every layer
+    assert pages.unique(dim=0).shape[0] > 4  # the repeated sentence makes some pages alike, not all

@@ -258,6 +258,9 @@ BUNDLED = {
     "bundled576-quest4c": "tiny_llava576_router2_quest4c",
     "bundled576-oval4c": "tiny_llava576_router2_oval4c",
     "bundled576-oval4c-r2": "tiny_llava576_router2_oval4c_r2",
+    # SmolLM2-135M-Instruct (--model smollm2): over compact OVAL rank 2 on 16-token text pages, trained on
+    # question-agnostic long-context prompts (docs/results/smollm2.md)
+    "smollm2-oval2": "smollm2_router2_oval2",
 }
 
 
