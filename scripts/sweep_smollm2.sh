@@ -16,7 +16,10 @@ BUDGETS=${BUDGETS:-0.05,0.1,0.25,0.5}
 mkdir -p "$OUT" docs/results
 EVICTION=(expected_attention kvzip snapkv tova h2o streamingllm random knorm keydiff pyramidkv adakv
           adakv:scorer=expected_attention fastv kvp:agents=smollm2-context ${EXTRA_EVICTION:-})
-RETRIEVAL=(oval:read_bytes_budget quest:read_bytes_budget ${EXTRA_RETRIEVAL:-})
+# OVAL (compact, rank 8 and rank 2), Quest (float and compact), and router v2 over compact OVAL rank 2
+RETRIEVAL=(oval:read_bytes_budget oval:read_bytes_budget,rank=2 quest:read_bytes_budget
+           quest:read_bytes_budget,summary_format=compact router2:read_bytes_budget,weights=smollm2-oval2
+           ${EXTRA_RETRIEVAL:-})
 OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model smollm2 --data bundled --task "$TASK" \
     --compress context --limit "${LIMIT:-10}" --budgets "$BUDGETS" --no-progress --out "$OUT/sweep-$TASK" \
     --methods "${EVICTION[@]}" "${RETRIEVAL[@]}" > "$OUT/sweep-$TASK.log" 2>&1
