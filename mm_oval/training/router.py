@@ -173,9 +173,7 @@ def capture_router_data(
         for prompt in prompts:
             box["hidden"].clear()
             box["embeds"].clear()
-            msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.text}]}]
-            chat = processor.apply_chat_template(msgs, add_generation_prompt=True)
-            inputs = processor(images=[prompt.image], text=[chat], return_tensors="pt").to(model.device)
+            inputs, info, _ = _prompt_inputs(model, processor, prompt, sink_tokens, recent_tokens)
             ids = inputs["input_ids"]
             n = ids.shape[1]
             gen = model.generate(
@@ -185,8 +183,6 @@ def capture_router_data(
                 output_attentions=True,
                 return_dict_in_generate=True,
             )
-            geo = image_geometry(model, ids, None, **{k: v for k, v in inputs.items() if k in GEOMETRY_INPUTS})
-            info = request_info(ids, None, None, 0, sink_tokens, recent_tokens, geometry=geo)
             keep = (info.modality != PAD).unsqueeze(1).expand(1, hkv, n)
             lay = layout_pages(
                 keep, info.modality, info.positions, info.image_rc, info.protected, image_tile, text_page_size
@@ -628,7 +624,7 @@ def capture_router2_data(
     out: list[Router2Sample] = []
     with hooked(model, hooks):
         for prompt in prompts:
-            inputs, info, n_content = _router2_prompt(model, processor, prompt, sink_tokens, recent_tokens)
+            inputs, info, n_content = _prompt_inputs(model, processor, prompt, sink_tokens, recent_tokens)
             ids = inputs["input_ids"]
             n = ids.shape[1]
             model.set_attn_implementation("sdpa")
@@ -707,7 +703,7 @@ def capture_router2_data(
     return out
 
 
-def _router2_prompt(
+def _prompt_inputs(
     model: Any, processor: Any, prompt: Prompt, sink_tokens: int, recent_tokens: int
 ) -> tuple[dict[str, torch.Tensor], Any, int]:
     """One prompt's model inputs, its tokens' request info (modality, positions, pinned tokens) as the cache
