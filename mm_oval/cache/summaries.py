@@ -12,15 +12,19 @@ import torch.nn.functional as F
 from ..core import PageBatch
 from ..pages import gather_pages
 
-# the share of a layer's KV bytes that the temporaries of building its page summaries may take at once
+# the share of a layer's KV bytes that the temporaries of building its page summaries may take at once, and
+# a floor under it: a short prompt's layer (a few MB of KV) would otherwise be summarised a page or two per
+# call, each call a round of small batched eigendecompositions whose overhead, not arithmetic, sets the time
+# (a 1k-token SmolLM2 prompt: ~33 calls per layer, a third of the whole retrieval run's time on a CPU)
 SUMMARY_TEMP_SHARE = 0.25
+SUMMARY_TEMP_FLOOR = 32 * 2**20
 
 
 def summary_chunk(layer: Any, T: int) -> int:
     """Pages (padded to T tokens) per `summarize` call: as many as keep the call's temporaries (padded page
     keys/values, their fp32 copies, Gram matrices and eigendecompositions, the page tokens' input
-    embeddings for a policy that pools them) within SUMMARY_TEMP_SHARE of the layer's KV bytes (at least
-    one page)."""
+    embeddings for a policy that pools them) within SUMMARY_TEMP_SHARE of the layer's KV bytes or
+    SUMMARY_TEMP_FLOOR bytes, whichever is more (at least one page)."""
     B, H, L, D = layer.keys.shape
     hidden = 0
     embeds = layer.owner.request.inputs_embeds
@@ -28,7 +32,7 @@ def summary_chunk(layer: Any, T: int) -> int:
         hidden = embeds.shape[-1]
     per_page = B * H * T * ((4 * layer.keys.element_size() + 48) * D + 12 * hidden + 32 * T)
     kv = 2 * layer.keys.numel() * layer.keys.element_size()
-    return max(1, int(SUMMARY_TEMP_SHARE * kv) // per_page)
+    return max(1, int(max(SUMMARY_TEMP_SHARE * kv, SUMMARY_TEMP_FLOOR)) // per_page)
 
 
 def page_width(layer: Any, first: int, stop: int) -> int:
