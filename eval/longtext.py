@@ -42,7 +42,7 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mm_oval.errors import ConfigError, DataError
+from mm_oval.errors import ConfigError, DataError, MmOvalError
 
 from .files import read_jsonl_answers, write_jsonl_answers
 from .tasks import BUNDLED_SETS, Item, Rule, Task
@@ -225,11 +225,18 @@ def score_item(kind: str, prediction: str | None, meta: dict) -> dict[str, float
 
 
 def read_spec(data: Path) -> dict[str, Any]:
-    """The dev set's spec: the project's own for a bundled data folder (one without `longtext.json`),
-    else the folder's `longtext.json` (or the file itself), checked."""
+    """The dev set's spec: the project's own for a bundled data folder (`--data bundled` / `bundled576`),
+    else the folder's `longtext.json` (or the file itself), checked. Any other folder without one is an
+    error, not the bundled dev set in disguise."""
     path = data if data.is_file() else data / SPEC_FILE
     if not path.exists():
-        return BUNDLED_SPEC
+        if _is_bundled(data):
+            return BUNDLED_SPEC
+        raise DataError(
+            f"{data}: no {SPEC_FILE} here; a long-context dev set is a folder with {SPEC_FILE} "
+            '({"seed": int, "per_length": int, "lengths": {"1k": sentences, ...}}) or that file; '
+            "or pass --data bundled for the project's own"
+        )
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -248,6 +255,17 @@ def read_spec(data: Path) -> dict[str, Any]:
             f'{{"1k": sentences > 4, ...}}}}; got {spec!r}'
         )
     return spec
+
+
+def _is_bundled(data: Path) -> bool:
+    """Whether `data` is one of the bundled data folders (what `--data bundled` / `bundled576` resolve to)."""
+    for folder in BUNDLED_SETS.values():
+        try:
+            if data.resolve() == folder().resolve():
+                return True
+        except MmOvalError:  # a bundled set that is not installed is not this folder
+            continue
+    return False
 
 
 class LongTextTask(Task):

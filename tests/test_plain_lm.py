@@ -7,7 +7,7 @@ import pytest
 import torch
 from mm_oval.eval import longtext
 from mm_oval.eval.runner import evaluate
-from mm_oval.eval.tasks import get_task
+from mm_oval.eval.tasks import get_task, resolve_data
 from mm_oval.eval.textgen import generate_text, generate_text_conversation
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -117,7 +117,7 @@ def test_the_dev_sets_are_a_seed_same_items_every_time():
     assert all(i.meta.get("key", i.meta.get("word")) in i.context for i in duo)
     other = longtext.generate("doorkeys", "1k", {**SMALL, "seed": 8})
     assert [i.context for i in other] != [i.context for i in a]
-    bundled = get_task("passkey_1k").load(longtext.Path("/nonexistent-bundled"))
+    bundled = get_task("passkey_1k").load(resolve_data("bundled", get_task("passkey_1k")))
     assert len(bundled) == longtext.BUNDLED_SPEC["per_length"]
 
 
@@ -141,6 +141,13 @@ def test_a_bad_spec_names_the_file(tmp_path):
     (tmp_path / "longtext.json").write_text(json.dumps({**SMALL, "lengths": {"2k": 8}}))
     with pytest.raises(DataError, match="no length '1k'"):
         get_task("passkey_1k").load(tmp_path)
+
+
+def test_a_folder_without_a_spec_is_refused_not_read_as_the_bundled_dev_set(tmp_path):
+    with pytest.raises(DataError, match="no longtext.json here.*--data bundled"):
+        get_task("passkey_1k").load(tmp_path)
+    bundled = get_task("passkey_1k").load(resolve_data("bundled", get_task("passkey_1k")), limit=2)
+    assert [it.id for it in bundled] == ["1k-0", "1k-1"]
 
 
 def test_the_harness_runs_a_text_task_question_agnostic_and_in_turns(tiny_lm, byte_tokenizer, tmp_path):
