@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from .eval.runner import check_method, evaluate
+from .eval.sweep import parse_methods
 from .eval.tasks import get_task, resolve_data
 from .modelfiles import load_model
 
@@ -88,9 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--methods",
+        nargs="+",
         default=None,
-        help="comma-separated methods besides the full cache (default: "
-        + "; ".join(f"--bench {k}: {','.join(v['methods'])}" for k, v in BENCHES.items())
+        help="methods besides the full cache: 'snapkv,keydiff' or several arguments; a spec with options "
+        "('router2:read_bytes_budget,weights=smollm2-oval2') is one argument (default: "
+        + "; ".join(f"--bench {k}: {' '.join(v['methods'])}" for k, v in BENCHES.items())
         + ")",
     )
     parser.add_argument(
@@ -129,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
     bench = BENCHES[args.bench]
     limit = bench["limit"] if args.limit is None else args.limit
     tasks = [t for t in (args.tasks or ",".join(bench["tasks"])).split(",") if t]
-    chosen = args.methods if args.methods is not None else ",".join(bench["methods"])
-    methods = ["full", *[m for m in chosen.split(",") if m and m != "full"]]
+    chosen = parse_methods(args.methods) if args.methods is not None else list(bench["methods"])
+    methods = ["full", *[m for m in chosen if m != "full"]]
     compress = args.compress or bench["compress"]
     for task in tasks:  # every task and method is checked before the model loads and the first runs
         resolve_data(bench["data"], get_task(task))  # the task has this benchmark's bundled dev set
@@ -138,11 +141,13 @@ def run(args: argparse.Namespace) -> int:
         check_method(_spec(name, bench["options"]), args.budget)
     model, processor = load_model(bench["model"])
     table: dict[str, dict[str, float]] = {}
+    seconds: dict[str, float] = {}  # per method, over the tasks: what each row cost on this machine
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
         for task in tasks:
             for name in methods:
                 full = name == "full"
+                t_run = time.perf_counter()
                 res = evaluate(
                     model,
                     processor,
@@ -157,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
                     model_name=bench["model"],
                 )
                 table.setdefault(name, {})[task] = float(res["primary"])
-    print(format_table(table, tasks))
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t_run
+    print(format_table(table, tasks, seconds))
     print(
         f"\n{time.perf_counter() - t0:.0f} s; {bench['what']}, "
         f"{f'first {limit} questions' if limit else 'all questions'} of each dev set; methods keep (eviction) or "
@@ -167,9 +173,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_table(table: dict[str, dict[str, float]], tasks: list[str]) -> str:
-    head = "| method | " + " | ".join(get_task(t).metric_label for t in tasks) + " |"
-    lines = [head, "|" + "---|" * (len(tasks) + 1)]
+def format_table(
+    table: dict[str, dict[str, float]], tasks: list[str], seconds: dict[str, float] | None = None
+) -> str:
+    """One row per method, a column per task (the score, and its share of the full cache's); with `seconds`,
+    a last column with the seconds each method's runs took (prefill, compression and decoding together)."""
+    seconds = seconds or {}
+    head = "| method | " + " | ".join(get_task(t).metric_label for t in tasks) + (" | s |" if seconds else " |")
+    lines = [head, "|" + "---|" * (len(tasks) + 1 + bool(seconds))]
     full = table.get("full", {})
     for name, row in table.items():
         cells = []
@@ -177,5 +188,7 @@ def format_table(table: dict[str, dict[str, float]], tasks: list[str]) -> str:
             v = row.get(t)
             rel = f" ({v / full[t]:.0%} of full)" if name != "full" and v is not None and full.get(t) else ""
             cells.append("-" if v is None else f"{v:.2f}{rel}")
+        if seconds:
+            cells.append(f"{seconds[name]:.0f}" if name in seconds else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ def test_demo_prints_the_table_for_the_full_cache_and_a_method(capsys, tmp_path)
     assert main([*args, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| method | VQAv2 acc |"
+    assert lines[0] == "| method | VQAv2 acc | s |"
     assert lines[1].startswith("| full | ") and lines[2].startswith("| snapkv | ")
     assert "of full)" in lines[2]
     # the harness wrote its resumable runs where it was told to
@@ -21,7 +21,7 @@ def test_demo_shows_the_576_token_benchmark(capsys, tmp_path):
     assert main(args) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| method | VQAv2 acc | object list F1 |"
+    assert lines[0] == "| method | VQAv2 acc | object list F1 | s |"
     assert lines[1].startswith("| full | ") and lines[2].startswith("| oval | ")
     assert "576 image tokens" in out
     assert (tmp_path / "objlist" / "oval" / "results.json").is_file()
@@ -33,7 +33,7 @@ def test_demo_shows_smollm2_on_text_by_default(capsys, tmp_path):
     assert main(args) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| method | passkey_1k acc |"
+    assert lines[0] == "| method | passkey_1k acc | s |"
     assert lines[1].startswith("| full | ") and lines[2].startswith("| keydiff | ")
     assert "SmolLM2-135M-Instruct (real attention)" in out and "compress=context" in out
     run = tmp_path / "passkey_1k" / "keydiff" / "results.json"
