@@ -8,6 +8,9 @@
 #
 #   scripts/sweep_smollm2.sh                       # TASK=passkey_1k LIMIT=10 BUDGETS=0.05,0.1,0.25,0.5
 #   TASK=needle_1k BUDGETS=0.05,0.1,0.25,0.5 scripts/sweep_smollm2.sh
+#   TASK=duo_1k SWEEP_ARGS="--multi-turn 2" scripts/sweep_smollm2.sh          # a conversation over one context
+#   DATA=docs/results/seed2 OUT=runs/smollm2-seed2 LIMIT=20 scripts/sweep_smollm2.sh   # the second seed
+# METHODS (space-separated specs) runs those instead of every method. BATCH (default 10) questions per generate call: the predictions do not depend on it (tests/test_eval_runner.py).
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 TASK=${TASK:-passkey_1k}
@@ -20,8 +23,10 @@ EVICTION=(expected_attention kvzip snapkv tova h2o streamingllm random knorm key
 RETRIEVAL=(oval:read_bytes_budget oval:read_bytes_budget,rank=2 quest:read_bytes_budget
            quest:read_bytes_budget,summary_format=compact router2:read_bytes_budget,weights=smollm2-oval2
            ${EXTRA_RETRIEVAL:-})
-OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model smollm2 --data bundled --task "$TASK" \
+OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model smollm2 --task "$TASK" \
     --compress context --limit "${LIMIT:-10}" --budgets "$BUDGETS" --no-progress --out "$OUT/sweep-$TASK" \
-    --methods "${EVICTION[@]}" "${RETRIEVAL[@]}" > "$OUT/sweep-$TASK.log" 2>&1
-cp "$OUT/sweep-$TASK/sweep.md" "docs/results/${TASK}_smollm2.md"
-cp "$OUT/sweep-$TASK/sweep.png" "docs/results/${TASK}_smollm2.png"
+    --batch-size "${BATCH:-10}" --data "${DATA:-bundled}" ${SWEEP_ARGS:-} \
+    --methods ${METHODS:-"${EVICTION[@]}" "${RETRIEVAL[@]}"} > "$OUT/sweep-$TASK.log" 2>&1
+NAME=${NAME:-${TASK}_smollm2}
+cp "$OUT/sweep-$TASK/sweep.md" "docs/results/$NAME.md"
+cp "$OUT/sweep-$TASK/sweep.png" "docs/results/$NAME.png"
