@@ -1,5 +1,6 @@
 import pytest
 
+from mm_oval import demo
 from mm_oval.cli import main
 
 
@@ -28,9 +29,17 @@ def test_demo_shows_the_576_token_benchmark(capsys, tmp_path):
 
 
 @pytest.mark.real_lm
-def test_demo_shows_smollm2_on_text_by_default(capsys, tmp_path):
+def test_demo_shows_smollm2_on_text_by_default(capsys, tmp_path, monkeypatch, smollm2):
+    asked = []
+
+    def load(name):  # the session's SmolLM2, not a second load of the GGUF file (about 30 s here)
+        asked.append(name)
+        return smollm2
+
+    monkeypatch.setattr(demo, "load_model", load)
     args = ["demo", "--tasks", "passkey_1k", "--methods", "keydiff", "--limit", "1", "--out", str(tmp_path)]
     assert main(args) == 0
+    assert asked == ["smollm2"]
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
     assert lines[0] == "| method | passkey_1k acc | s |"
