@@ -110,6 +110,9 @@ def test_the_576_token_agents_load_for_their_model_and_beat_every_baseline(tmp_p
     small, _ = load_model("bundled")
     with pytest.raises(ModelError):
         KVPPolicy(agents="bundled576-image", model=small)
+    # no agents named: each bundled model gets its own
+    assert KVPPolicy(model=model).loaded.source == pol.loaded.source
+    assert KVPPolicy(model=small).loaded.source == str(bundled_agents_path(name="bundled"))
     held = image_cut_traces(model, processor, "zoo576:heldout:8", tmp_path)
     c = pol.agents.config
     kvp = heldout_cost(agent_scorer(pol.agents), held, c.sinks, c.recent)

@@ -153,7 +153,8 @@ def test_train_smol_resumes_exactly(smol_llava, tmp_path):
 @pytest.mark.real_lm
 def test_the_bundled_smollm2_router2_serves_smollm2_and_reads_the_pages_of_its_context(smollm2, tiny_lm):
     """`router2:weights=smollm2-oval2` (trained on SmolLM2's text pages over compact OVAL rank 2) loads for
-    SmolLM2, refuses another model, and at decode pools the context's token embeddings into its records."""
+    SmolLM2, is what `router2` with no weights named picks for it, refuses another model, and at decode pools
+    the context's token embeddings into its records."""
     import mm_oval
     from mm_oval.policies.router2 import Router2Retrieval, bundled_router2_path, load_router2
     from mm_oval.wrapper import wrap_info
@@ -166,10 +167,11 @@ def test_the_bundled_smollm2_router2_serves_smollm2_and_reads_the_pages_of_its_c
         mm_oval.wrap(tiny_lm, retrieval="router2", retrieval_options={"weights": "smollm2-oval2"})
     msgs = [{"role": "user", "content": "The pass key is 71432. Remember it. " * 12 + "What is the pass key?"}]
     inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    mm_oval.wrap(model, retrieval="router2", retrieval_options={"weights": "smollm2-oval2"}, read_bytes_budget=0.5)
+    mm_oval.wrap(model, retrieval="router2", read_bytes_budget=0.5)  # no weights named: SmolLM2's own
     try:
         records = []
         policy = wrap_info(model).retrieval
+        assert policy.source == str(bundled_router2_path("smollm2-oval2")) and policy.base_name == "oval"
         inner = policy.summarize
 
         def summarize(pages):
@@ -185,3 +187,17 @@ def test_the_bundled_smollm2_router2_serves_smollm2_and_reads_the_pages_of_its_c
     # the page records differ between pages (content), not one kind embedding for every text page
     pages = torch.cat([r[0, 0] for r in records])  # every page's record (KV head 0), of every layer
     assert pages.unique(dim=0).shape[0] > 4  # the repeated sentence makes some pages alike, not all
+
+
+@pytest.mark.real_lm
+def test_kvp_with_no_agents_named_uses_the_agents_trained_for_smollm2(smollm2, tiny_lm):
+    import mm_oval
+    from mm_oval.policies.kvp_io import bundled_agents_path
+    from mm_oval.wrapper import wrap_info
+
+    model, _ = smollm2
+    with mm_oval.wrapped(model, method="kvp", budget=0.25):
+        assert wrap_info(model).eviction.loaded.source == str(bundled_agents_path(name="smollm2-context"))
+    with pytest.raises(ModelError, match="mm-oval train-kvp"):  # a model with no bundled agents of its own
+        mm_oval.wrap(tiny_lm, method="kvp", budget=0.25)
+    assert not mm_oval.is_wrapped(tiny_lm)

@@ -26,7 +26,14 @@ import torch
 from ..errors import ModelError
 from .base import EvictionPolicy, PrefillContext, RequestState, register_eviction
 from .kvp_agents import KVPAgentConfig, KVPAgents
-from .kvp_io import BUNDLED_AGENTS, LoadedAgents, bundled_agents_path, load_agents, save_agents
+from .kvp_io import (
+    BUNDLED_AGENTS,
+    DEFAULT_AGENTS,
+    LoadedAgents,
+    bundled_agents_path,
+    load_agents,
+    save_agents,
+)
 from .kvp_select import RedundancySelection, pair_kernel, redundancy_scores
 from .signature import check_signature, model_signature, probe_from_attention, probe_matches
 
@@ -56,8 +63,10 @@ class KVPState:
 
 @register_eviction
 class KVPPolicy(EvictionPolicy):
-    """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`), or
-    "bundled" (the default: the agents trained for the bundled tiny LLaVA) or "bundled-joint" (its
+    """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`); unset, the
+    bundled agents trained for the wrapped model (`DEFAULT_AGENTS`: the 64-token tiny LLaVA's "bundled", the
+    576-token one's "bundled576-image", SmolLM2's "smollm2-context"); or a bundled name:
+    "bundled" (the agents trained for the 64-token tiny LLaVA) or "bundled-joint" (its
     joint-heads agents, for `head_budget="shared"`), "bundled-image" / "bundled-image-joint" (the same
     trained for `compress="image"`, the image compressed before the question is read), or "bundled576-image"
     (per-head agents for the 576-token tiny LLaVA, `compress="image"`). `redundancy` / `sigma`: the
@@ -96,33 +105,52 @@ class KVPPolicy(EvictionPolicy):
             loaded = agents
         else:
             if agents is None or agents in BUNDLED_AGENTS:
-                path = bundled_agents_path(name=agents or "bundled")
+                path = bundled_agents_path(name=agents or DEFAULT_AGENTS[0])
             else:
                 path = Path(agents)
             loaded = load_agents(path)
-        self.loaded = loaded
-        self.agents = loaded.agents.eval()
-        # the agents' recorded selection (kvp_config.json "selection"), each setting overridable
-        rec = RedundancySelection.from_dict(loaded.selection, f"{loaded.source} selection")
-        self.selection = RedundancySelection(
-            rec.redundancy if redundancy is None else redundancy, rec.sigma if sigma is None else sigma
-        )
+        # no agents named: the bundled agents of the model this policy is bound to (`bind`), if it has some
+        self.chosen_by_default = agents is None
+        self._overrides = (redundancy, sigma)
         self.check_weights = check_weights
+        self._use(loaded)
         self._checked_layers: set[int] = set()
         if model is not None:
             self.bind(model)
 
+    def _use(self, loaded: LoadedAgents) -> None:
+        self.loaded = loaded
+        self.agents = loaded.agents.eval()
+        # the agents' recorded selection (kvp_config.json "selection"), each setting overridable
+        rec = RedundancySelection.from_dict(loaded.selection, f"{loaded.source} selection")
+        redundancy, sigma = self._overrides
+        self.selection = RedundancySelection(
+            rec.redundancy if redundancy is None else redundancy, rec.sigma if sigma is None else sigma
+        )
+
     def bind(self, model: Any) -> None:
         """Check the agents against `model` at once (shape, and weights unless `check_weights=False`);
-        `mm_oval.wrap` calls this."""
+        `mm_oval.wrap` calls this. With no agents named, the first of DEFAULT_AGENTS trained for `model`
+        is used (SmolLM2 gets its own, the 576-token tiny LLaVA its own); a model with none of its own is
+        refused as before, naming the command that trains agents for it."""
         if self.loaded.model:
-            check_signature(
-                self.loaded.model,
-                model_signature(model),
-                self.loaded.source,
-                check_weights=self.check_weights,
-            )
+            sig = model_signature(model)
+            if self.chosen_by_default:
+                self._pick_bundled_for(sig)
+            check_signature(self.loaded.model, sig, self.loaded.source, check_weights=self.check_weights)
         self._checked_layers = set(range(self.agents.config.num_layers))
+
+    def _pick_bundled_for(self, sig: dict) -> None:
+        for name in DEFAULT_AGENTS:
+            loaded = load_agents(bundled_agents_path(name=name))
+            try:
+                check_signature(loaded.model, sig, loaded.source, check_weights=self.check_weights)
+            except ModelError:
+                continue
+            if loaded.source != self.loaded.source:
+                logger.info("kvp: no agents named; using the bundled %r, trained for this model", name)
+                self._use(loaded)
+            return
 
     def _check_layer(self, ctx: PrefillContext) -> None:
         if ctx.layer_idx in self._checked_layers:

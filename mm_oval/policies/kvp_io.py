@@ -123,6 +123,9 @@ BUNDLED_AGENTS = {
     # eval/longtext.py, seeds apart from the dev set's), 250 steps
     "smollm2-context": "smollm2_kvp_context",
 }
+# `agents` left unset: the first of these trained for the wrapped model (their recorded signature matches);
+# the first one when no model is bound. The per-head agents of each bundled model's own setting.
+DEFAULT_AGENTS = ("bundled", "bundled576-image", "smollm2-context")
 
 
 def bundled_agents_path(joint_heads: bool = False, name: str | None = None) -> Path:

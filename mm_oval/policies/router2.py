@@ -32,6 +32,7 @@ the pages the exact scores choose the predicted ones hold.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -65,6 +66,7 @@ from .router import (
 # steps of page reads the co-read graph holds by default; the retrieval monitor's co-read density
 # (mm_oval.stats) uses the same window, so it measures the graph this router would see
 CO_READ_WINDOW = 8
+logger = logging.getLogger(__name__)
 WEIGHTS_FILE = "router2.safetensors"
 CONFIG_FILE = "router2.json"
 BASES = ("quest", "oval")
@@ -253,6 +255,8 @@ def load_router2(path: str | Path, model: Any = None) -> Router2Net:
 # the default pages (4x4 tiles) over compact OVAL rank 2, the base that scores best in the bytes it reads
 # (docs/results/bundled576.md, "Retrieval at equal bytes"); weights trained on 2x2 tiles ("bundled576") want `image_tile=2`.
 DEFAULT_WEIGHTS = "bundled576-oval4c-r2"
+# weights left unset: the first of these trained for the wrapped model (DEFAULT_WEIGHTS when none is)
+DEFAULT_FOR_MODELS = (DEFAULT_WEIGHTS, "smollm2-oval2")
 BUNDLED = {
     "bundled576": "tiny_llava576_router2",
     "bundled576-quest4c": "tiny_llava576_router2_quest4c",
@@ -327,7 +331,9 @@ RECORD_KEYS = ("r2_emb", "r2_emb_q", "r2_emb_scale")  # the router's own page re
 @register_retrieval
 class Router2Retrieval(RetrievalPolicy):
     """Router v2 (module docstring). Options: `weights` (a router2 directory, a bundled name (`BUNDLED`;
-    default "bundled576-oval4c-r2"), or "none": no correction, the base scorer alone; weights whose
+    default "auto": the bundled weights trained for the wrapped model, the first of `DEFAULT_FOR_MODELS`
+    that is ("bundled576-oval4c-r2" for the 576-token tiny LLaVA, "smollm2-oval2" for SmolLM2; the first
+    when no model is bound)), or "none": no correction, the base scorer alone; weights whose
     correction is exactly zero act as "none"), `base` ("quest" or "oval"; with trained
     weights, the one they were trained on), `base_options` (the base scorer's options), `predict_ahead`
     ("off"; "step": from the previous step's query of the layer; "layer": from the layer before's query of
@@ -343,7 +349,7 @@ class Router2Retrieval(RetrievalPolicy):
 
     def __init__(
         self,
-        weights: str | Path | None = DEFAULT_WEIGHTS,
+        weights: str | Path | None = "auto",
         base: str | None = None,
         base_options: dict[str, Any] | None = None,
         predict_ahead: str = "off",
@@ -354,6 +360,13 @@ class Router2Retrieval(RetrievalPolicy):
         skip_zero: bool = True,
         record_format: str = "auto",
     ):
+        # no weights named: the bundled weights of the model this policy is bound to (`bind`), if it has some
+        self.chosen_by_default = weights == "auto" and net is None
+        if weights == "auto":
+            weights = DEFAULT_WEIGHTS
+        self._options = dict(base=base, base_options=base_options, predict_ahead=predict_ahead,
+                             check_weights=check_weights, gcn_budget=gcn_budget, skip_zero=skip_zero,
+                             record_format=record_format)  # fmt: skip
         if predict_ahead not in PREDICT_AHEAD:
             raise ConfigError(f"router2: predict_ahead must be 'off', 'step' or 'layer', got {predict_ahead!r}")
         if net is None and weights not in (None, "none"):
@@ -389,10 +402,26 @@ class Router2Retrieval(RetrievalPolicy):
             self.bind(model)
 
     def bind(self, model: Any) -> None:
-        """Check the weights against `model` (`mm_oval.wrap` calls this): a ModelError for another model."""
+        """Check the weights against `model` (`mm_oval.wrap` calls this): a ModelError for another model.
+        With no weights named, the first of DEFAULT_FOR_MODELS trained for `model` is used (SmolLM2 gets its
+        own); a model with none of its own is refused as before."""
+        if self.chosen_by_default:
+            self._pick_bundled_for(model)
         if self.net is not None and self.net.config.model:
             check_signature(self.net.config.model, model, self.source, self.check_weights)
         getattr(self.base, "bind", lambda m: None)(model)
+
+    def _pick_bundled_for(self, model: Any) -> None:
+        for name in DEFAULT_FOR_MODELS:
+            net = load_router2(bundled_router2_path(name))
+            try:
+                check_signature(net.config.model, model, name, self.check_weights)
+            except ModelError:
+                continue
+            if str(bundled_router2_path(name)) != self.source:
+                logger.info("router2: no weights named; using the bundled %r, trained for this model", name)
+                self.__init__(weights=name, **self._options)  # the base and records those weights were trained on
+            return
 
     # summaries --------------------------------------------------------------------------------------
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
