@@ -98,18 +98,23 @@ def _same_compact_records(a: dict, b: dict) -> None:
     assert err <= 0.01 * spread, float(err / spread)
 
 
-def test_the_chunk_keeps_its_temporaries_within_the_share_of_the_layers_kv(tiny_random_llava, monkeypatch):
+def _first_layer_chunk(tiny_random_llava):
+    """The first layer of an OVAL cache after prefill: (layer, its KV shape, the prompt pages' width, the
+    pages `summarize` takes per call)."""
     model, processor = tiny_random_llava
-    monkeypatch.setattr(cache_mod, "SUMMARY_TEMP_FLOOR", 0)  # the tiny model's KV is far below the floor
     wrapped = mm_oval.wrap(model, OvalConfig(retrieval="oval"))
     try:
         cache = prefill(wrapped, **_inputs(processor))
     finally:
         mm_oval.unwrap(wrapped)
     layer = cache.layers[0]
-    B, H, L, D = layer.keys.shape
     T = cache_mod.page_width(layer, 0, layer.prompt_pages)
-    step = cache_mod.summary_chunk(layer, T)
+    return layer, layer.keys.shape, T, cache_mod.summary_chunk(layer, T)
+
+
+def test_the_chunk_keeps_its_temporaries_within_the_share_of_the_layers_kv(tiny_random_llava, monkeypatch):
+    monkeypatch.setattr(cache_mod, "SUMMARY_TEMP_FLOOR", 0)  # the tiny model's KV is far below the floor
+    layer, (B, H, L, D), T, step = _first_layer_chunk(tiny_random_llava)
     kv = 2 * layer.keys.numel() * layer.keys.element_size()
     padded_fp32 = 2 * B * H * step * T * D * 4  # the chunk's keys and values in fp32 alone
     assert step >= 1 and padded_fp32 <= cache_mod.SUMMARY_TEMP_SHARE * kv
@@ -118,15 +123,6 @@ def test_the_chunk_keeps_its_temporaries_within_the_share_of_the_layers_kv(tiny_
 def test_a_short_prompt_is_summarised_in_one_call_per_layer_under_the_floor(tiny_random_llava):
     """A layer whose KV is small is not cut into calls of a page or two: the floor lets its summaries be
     built at once, while the temporaries stay within the floor."""
-    model, processor = tiny_random_llava
-    wrapped = mm_oval.wrap(model, OvalConfig(retrieval="oval"))
-    try:
-        cache = prefill(wrapped, **_inputs(processor))
-    finally:
-        mm_oval.unwrap(wrapped)
-    layer = cache.layers[0]
-    B, H, L, D = layer.keys.shape
-    T = cache_mod.page_width(layer, 0, layer.prompt_pages)
-    step = cache_mod.summary_chunk(layer, T)
+    layer, (B, H, L, D), T, step = _first_layer_chunk(tiny_random_llava)
     assert step >= layer.prompt_pages
     assert 2 * B * H * layer.prompt_pages * T * D * 4 <= cache_mod.SUMMARY_TEMP_FLOOR
