@@ -54,7 +54,8 @@ LONGTEXT_RULES = (
         "v1",
         "eval/longtext.py",
         "mm-oval long-context text v1: pass keys read as the answer's 5-digit numbers (first one, or all in "
-        "order for a list), a needle word as a whole lowercase word of the answer; means x100",
+        "order for a list), a needle word as a whole lowercase word of the answer, a secret message as its "
+        "lowercase words in order, contiguous, anywhere in the answer; means x100",
     ),
 )
 SPEC_FILE = "longtext.json"
