@@ -8,7 +8,8 @@
 #
 #   scripts/sweep_smollm2.sh                       # TASK=passkey_1k LIMIT=10 BUDGETS=0.05,0.1,0.25,0.5
 #   TASK=needle_1k BUDGETS=0.05,0.1,0.25,0.5 scripts/sweep_smollm2.sh
-#   TASK=duo_1k SWEEP_ARGS="--multi-turn 2" scripts/sweep_smollm2.sh          # a conversation over one context
+#   TASK=duo_1k LIMIT=20 SWEEP_ARGS="--multi-turn 2" COMPRESS=prompt scripts/sweep_smollm2.sh  # two questions in
+#       turn over one context (a conversation prefills and compresses the context before its first question)
 #   DATA=docs/results/seed2 OUT=runs/smollm2-seed2 LIMIT=20 scripts/sweep_smollm2.sh   # the second seed
 # METHODS (space-separated specs) runs those instead of every method. BATCH (default 10) questions per generate call: the predictions do not depend on it (tests/test_eval_runner.py).
 set -euo pipefail
@@ -24,7 +25,7 @@ RETRIEVAL=(oval:read_bytes_budget oval:read_bytes_budget,rank=2 quest:read_bytes
            quest:read_bytes_budget,summary_format=compact router2:read_bytes_budget,weights=smollm2-oval2
            ${EXTRA_RETRIEVAL:-})
 OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model smollm2 --task "$TASK" \
-    --compress context --limit "${LIMIT:-10}" --budgets "$BUDGETS" --no-progress --out "$OUT/sweep-$TASK" \
+    --compress "${COMPRESS:-context}" --limit "${LIMIT:-10}" --budgets "$BUDGETS" --no-progress --out "$OUT/sweep-$TASK" \
     --batch-size "${BATCH:-10}" --data "${DATA:-bundled}" ${SWEEP_ARGS:-} \
     --methods ${METHODS:-"${EVICTION[@]}" "${RETRIEVAL[@]}"} > "$OUT/sweep-$TASK.log" 2>&1
 NAME=${NAME:-${TASK}_smollm2}
