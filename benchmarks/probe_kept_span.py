@@ -63,10 +63,13 @@ def answer_attention(model, ids: torch.Tensor, n: int, kv_heads: int) -> list[to
     return per_layer
 
 
-def share(masks: list[torch.Tensor], per_layer: list[torch.Tensor], positions: list[int] | None = None) -> float:
-    """Mean over (layer, KV head) pairs of the kept share: of the given positions (None: of the attention)."""
-    if positions is not None:
-        return float(torch.stack([m[:, positions].float().mean(-1) for m in masks]).mean())
+def tokens_kept(masks: list[torch.Tensor], positions: list[int]) -> float:
+    """Mean over (layer, KV head) pairs of the share of the given positions the pair keeps."""
+    return float(torch.stack([m[:, positions].float().mean(-1) for m in masks]).mean())
+
+
+def attention_kept(masks: list[torch.Tensor], per_layer: list[torch.Tensor]) -> float:
+    """Mean over (layer, KV head) pairs of the share of the pair's answer attention on kept positions."""
     return float(torch.stack([(a * m).sum(-1) for m, a in zip(masks, per_layer)]).mean())
 
 
@@ -99,10 +102,12 @@ def main() -> None:
         field = next(f for f in ANSWER_FIELDS if f in it.meta)
         head, tail = split_prompt(tok, it, torch.device("cpu"))
         span = key_tokens(tok, head[0].tolist(), it.meta[field])
+        if not span:
+            raise SystemExit(f"{it.id}: its answer {it.meta[field]!r} is not spelled out in the context")
         ids = torch.cat([head, tail], dim=1)
         seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen)
         att = answer_attention(model, seq[:, :-1], head.shape[1], kv_heads)
-        prompts.append((it, head, ids, span, cue_tokens(tok, head[0].tolist(), span[0]) if span else [], att))
+        prompts.append((it, head, ids, span, cue_tokens(tok, head[0].tolist(), span[0]), att))
     model.set_attn_implementation("sdpa")
     rows = []
     for spec in args.methods:
@@ -115,9 +120,9 @@ def main() -> None:
                 answer = tok.decode(seq[0, ids.shape[1] :], skip_special_tokens=True).strip()
                 row = {
                     "method": spec, "context": it.id, "answer_at": round(span[0] / head.shape[1], 2),
-                    "answer_tokens": len(span), "answer_kept": round(share(masks, att, span), 3),
-                    "cue_tokens": len(cue), "cue_kept": round(share(masks, att, cue), 3) if cue else None,
-                    "attention_kept": round(share(masks, att), 3),
+                    "answer_tokens": len(span), "answer_kept": round(tokens_kept(masks, span), 3),
+                    "cue_tokens": len(cue), "cue_kept": round(tokens_kept(masks, cue), 3) if cue else None,
+                    "attention_kept": round(attention_kept(masks, att), 3),
                     "answer_attention_kept": round(attention_on_kept(masks, att, span), 3),
                     "cue_attention_kept": round(attention_on_kept(masks, att, cue), 3) if cue else None,
                     "score": score_item(task.kind, answer, it.meta)["accuracy"], "answer": answer,
