@@ -47,3 +47,49 @@ def test_bench_retrieval_writes_the_bytes_each_method_reads_and_its_quality_at_e
         assert all(v > 0 for k, v in rvd_b.items() if k.startswith(f"{m}|"))
     assert rvd["quest|0.25"] > rvd["oracle|0.25"]  # the same pages' count, plus the summaries scanned
     assert all(0.0 <= v <= 1.0 + 1e-6 for v in at.values())
+
+
+def _load_benchmark(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # a dataclass looks its module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_retrieval_oracle_scores_pages_by_their_exact_attention_and_reads_ovals_bytes(tiny_lm):
+    """The diagnostic's oracle: a page's score is the share of softmax attention the KV head's query heads
+    pay its keys (group mean), and it is charged OVAL's record bytes only, so at one bytes budget it reads as
+    many pages as OVAL."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import mm_oval
+    from mm_oval.wrapper import last_stats
+
+    mod = _load_benchmark("probe_retrieval_oracle")
+    g = torch.Generator().manual_seed(0)
+    b, hkv, grp, p, t, d = 2, 3, 3, 5, 4, 8
+    keys = torch.randn(b, hkv, p, t, d, generator=g)
+    mask = torch.rand(b, hkv, p, t, generator=g) > 0.3
+    mask[..., 0] = True
+    q = torch.randn(b, hkv * grp, 1, d, generator=g)
+    ctx = SimpleNamespace(summaries={mod.KEYS: keys, mod.MASK: mask}, query=q, num_kv_groups=grp, scaling=0.3)
+    logits = torch.einsum("bhgd,bhptd->bhgpt", q[:, :, 0].reshape(b, hkv, grp, d), keys) * 0.3
+    att = logits.masked_fill(~mask[:, :, None], float("-inf")).flatten(-2).softmax(-1).unflatten(-1, (p, t))
+    torch.testing.assert_close(mod.OraclePages.score_pages(None, ctx).exp(), att.sum(-1).mean(2))
+
+    mod.RETRIEVAL_REGISTRY[mod.OraclePages.name] = mod.OraclePages
+    try:
+        ids = torch.randint(1, 300, (1, 400), generator=g)
+        reads = {}
+        for method in ("oval", mod.OraclePages.name):
+            with mm_oval.wrapped(tiny_lm, retrieval=method, read_bytes_budget=0.25):
+                tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+                reads[method] = last_stats(tiny_lm)["bytes_read"]["total"]
+    finally:
+        del mod.RETRIEVAL_REGISTRY[mod.OraclePages.name]
+    assert reads["oval"] == reads[mod.OraclePages.name] and reads["oval"]["selected"] > 0

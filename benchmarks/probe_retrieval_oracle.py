@@ -1,0 +1,80 @@
+"""Is retrieval's miss the choice of pages or the number of pages? On SmolLM2-135M-Instruct and a bundled
+long-context text task, question-agnostic as the harness runs it, this runs OVAL (compact, rank 8) beside an
+oracle that reads the same number of pages in the same bytes but picks them by the exact attention the
+query pays each page: its records hold the page's keys beside OVAL's own, it is charged only OVAL's record
+bytes, and it scores a page by the share of softmax attention the query heads of the KV head pay the
+page's keys (the mass router v2's teacher measures), averaged over the group. So the two rows differ only
+in which pages are read: what no page scorer can beat at that page count. A diagnostic, not a method: the
+oracle reads every key to score, which no real retrieval can afford, and it is not in mm-oval's registry.
+
+    python benchmarks/probe_retrieval_oracle.py --task message_1k --out runs/oracle-message
+    python benchmarks/probe_retrieval_oracle.py --task duo_1k --compress prompt --limit 20 \
+        --sweep-args "--multi-turn 2" --out runs/oracle-duo
+
+It runs `mm-oval sweep` (the same cells, resumable, with its table in OUT/sweep.md) with the two methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from mm_oval.cli import main as mm_oval_main
+from mm_oval.policies.base import DecodeContext, PageBatch
+from mm_oval.policies.pagebases import OvalRetrieval
+from mm_oval.registry import RETRIEVAL_REGISTRY
+
+KEYS, MASK = "oracle_keys", "oracle_mask"  # the oracle's extra records (not charged, not OVAL's)
+
+
+@dataclass
+class OraclePages(OvalRetrieval):
+    """OVAL's records and bytes, pages picked by the exact attention mass (diagnostic only)."""
+
+    name: ClassVar[str] = "oracle_pages"
+
+    def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
+        out = dict(super().summarize(pages))
+        pad = self.coef_rows - pages.keys.shape[-2]  # every page padded to coef_rows rows, as OVAL's coefficients
+        out[KEYS] = torch.nn.functional.pad(pages.keys, (0, 0, 0, pad))
+        out[MASK] = torch.nn.functional.pad(pages.mask, (0, pad))
+        return out
+
+    def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
+        own = {k: v for k, v in summaries.items() if k not in (KEYS, MASK)}
+        return super().summary_bytes(own, page_len)
+
+    def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
+        keys, mask = ctx.summaries[KEYS], ctx.summaries[MASK]  # (B, Hkv, P, T, D), (B, Hkv, P, T)
+        b, hkv, p, t, d = keys.shape
+        q = ctx.query.float().reshape(b, hkv, ctx.num_kv_groups, ctx.query.shape[2], d)  # (B, Hkv, G, Q, D)
+        logits = torch.einsum("bhgqd,bhptd->bhgqpt", q, keys.float()) * ctx.scaling
+        logits = logits.masked_fill(~mask[:, :, None, None], float("-inf")).reshape(b, hkv, *q.shape[2:4], -1)
+        mass = logits.softmax(-1).reshape(b, hkv, *q.shape[2:4], p, t).sum(-1)  # (B, Hkv, G, Q, P)
+        return (mass.mean((2, 3)) + 1e-30).log()  # only the ranking matters (select fills by score)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", default="message_1k")
+    ap.add_argument("--compress", default="context")
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--budgets", default="0.25")
+    ap.add_argument("--data", default="bundled")
+    ap.add_argument("--sweep-args", default="", help="more `mm-oval sweep` arguments, e.g. '--multi-turn 2'")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    RETRIEVAL_REGISTRY[OraclePages.name] = OraclePages
+    argv = ["sweep", "--model", "smollm2", "--task", args.task, "--compress", args.compress]
+    argv += ["--limit", str(args.limit), "--budgets", args.budgets, "--data", args.data, "--out", args.out]
+    argv += ["--no-progress", "--batch-size", "10", *shlex.split(args.sweep_args)]
+    argv += ["--methods", "oval:read_bytes_budget", "oracle_pages:read_bytes_budget"]
+    return mm_oval_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
