@@ -7,11 +7,12 @@ page's keys (the mass router v2's teacher measures), averaged over the group. So
 in which pages are read: what no page scorer can beat at that page count. A diagnostic, not a method: the
 oracle reads every key to score, which no real retrieval can afford, and it is not in mm-oval's registry.
 
-    python benchmarks/probe_retrieval_oracle.py --task message_1k --out runs/oracle-message
+    python benchmarks/probe_retrieval_oracle.py --task message_1k --ranks 8,2 --out runs/oracle-message
     python benchmarks/probe_retrieval_oracle.py --task duo_1k --compress prompt --limit 20 \
         --sweep-args "--multi-turn 2" --out runs/oracle-duo
 
-It runs `mm-oval sweep` (the same cells, resumable, with its table in OUT/sweep.md) with the two methods.
+It runs `mm-oval sweep` (the same cells, resumable, with its table in OUT/sweep.md) with the two methods for
+each OVAL rank of `--ranks` (the oracle charged that rank's record bytes: a cheaper record reads more pages).
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ class OraclePages(OvalRetrieval):
         return (mass.mean((2, 3)) + 1e-30).log()  # only the ranking matters (select fills by score)
 
 
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"--ranks wants OVAL ranks >= 1, comma-separated (e.g. 8,2), got {text!r}")
+    return ranks
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="message_1k")
@@ -66,13 +77,19 @@ def main() -> int:
     ap.add_argument("--budgets", default="0.25")
     ap.add_argument("--data", default="bundled")
     ap.add_argument("--sweep-args", default="", help="more `mm-oval sweep` arguments, e.g. '--multi-turn 2'")
+    ap.add_argument(
+        "--ranks", type=_ranks, default=[8], help="OVAL ranks, comma-separated: each runs OVAL and the oracle charged its bytes"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     RETRIEVAL_REGISTRY[OraclePages.name] = OraclePages
     argv = ["sweep", "--model", "smollm2", "--task", args.task, "--compress", args.compress]
     argv += ["--limit", str(args.limit), "--budgets", args.budgets, "--data", args.data, "--out", args.out]
     argv += ["--no-progress", "--batch-size", "10", *shlex.split(args.sweep_args)]
-    argv += ["--methods", "oval:read_bytes_budget", "oracle_pages:read_bytes_budget"]
+    argv.append("--methods")
+    for rank in args.ranks:
+        opt = "" if rank == 8 else f",rank={rank}"  # 8: OVAL's default, spelled as the sweeps spell it
+        argv += [f"oval:read_bytes_budget{opt}", f"oracle_pages:read_bytes_budget{opt}"]
     return mm_oval_main(argv)
 
 
