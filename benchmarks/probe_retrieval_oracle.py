@@ -4,8 +4,9 @@ oracle that reads the same number of pages in the same bytes but picks them by t
 query pays each page: its records hold the page's keys beside OVAL's own, it is charged only OVAL's record
 bytes, and it scores a page by the share of softmax attention the query heads of the KV head pay the
 page's keys (the mass router v2's teacher measures), averaged over the group. So the two rows differ only
-in which pages are read: what no page scorer can beat at that page count. A diagnostic, not a method: the
-oracle reads every key to score, which no real retrieval can afford, and it is not in mm-oval's registry.
+in which pages are read: what no page scorer that ranks by attention can beat at that page count. A
+diagnostic, not a method: the oracle reads every key to score, which no real retrieval can afford, and this
+script registers it in its own process only (mm-oval's registry does not hold it).
 
     python benchmarks/probe_retrieval_oracle.py --task message_1k --ranks 8,2 --out runs/oracle-message
     python benchmarks/probe_retrieval_oracle.py --task duo_1k --compress prompt --limit 20 \
