@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 
 from mm_oval.cli import main as mm_oval_main
+from mm_oval.measures import exact_page_log_mass, group_mean
 from mm_oval.policies.base import DecodeContext, PageBatch
 from mm_oval.policies.pagebases import OvalRetrieval
 from mm_oval.registry import RETRIEVAL_REGISTRY
@@ -41,7 +42,8 @@ class OraclePages(OvalRetrieval):
 
     def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
         out = dict(super().summarize(pages))
-        pad = self.coef_rows - pages.keys.shape[-2]  # every page padded to coef_rows rows, as OVAL's coefficients
+        # every page padded to coef_rows rows, as OVAL's coefficients
+        pad = self.coef_rows - pages.keys.shape[-2]
         out[KEYS] = torch.nn.functional.pad(pages.keys, (0, 0, 0, pad))
         out[MASK] = torch.nn.functional.pad(pages.mask, (0, pad))
         return out
@@ -52,12 +54,14 @@ class OraclePages(OvalRetrieval):
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         keys, mask = ctx.summaries[KEYS], ctx.summaries[MASK]  # (B, Hkv, P, T, D), (B, Hkv, P, T)
-        b, hkv, p, t, d = keys.shape
-        q = ctx.query.float().reshape(b, hkv, ctx.num_kv_groups, ctx.query.shape[2], d)  # (B, Hkv, G, Q, D)
-        logits = torch.einsum("bhgqd,bhptd->bhgqpt", q, keys.float()) * ctx.scaling
-        logits = logits.masked_fill(~mask[:, :, None, None], float("-inf")).reshape(b, hkv, *q.shape[2:4], -1)
-        mass = logits.softmax(-1).reshape(b, hkv, *q.shape[2:4], p, t).sum(-1)  # (B, Hkv, G, Q, P)
-        return (mass.mean((2, 3)) + 1e-30).log()  # only the ranking matters (select fills by score)
+        # per query row: each query head's share of its softmax on each page (B, Hq, P), group mean (B, Hkv, P)
+        shares = [
+            group_mean(
+                exact_page_log_mass(ctx.query[:, :, i], keys, mask, ctx.scaling).softmax(-1), keys.shape[1]
+            )
+            for i in range(ctx.query.shape[2])
+        ]
+        return (torch.stack(shares).mean(0) + 1e-30).log()  # only the ranking matters (select fills by score)
 
 
 def _ranks(text: str) -> list[int]:
@@ -66,7 +70,9 @@ def _ranks(text: str) -> list[int]:
     except ValueError:
         ranks = []
     if not ranks or min(ranks) < 1:
-        raise argparse.ArgumentTypeError(f"--ranks wants OVAL ranks >= 1, comma-separated (e.g. 8,2), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--ranks wants OVAL ranks >= 1, comma-separated (e.g. 8,2), got {text!r}"
+        )
     return ranks
 
 
@@ -79,7 +85,10 @@ def main() -> int:
     ap.add_argument("--data", default="bundled")
     ap.add_argument("--sweep-args", default="", help="more `mm-oval sweep` arguments, e.g. '--multi-turn 2'")
     ap.add_argument(
-        "--ranks", type=_ranks, default=[8], help="OVAL ranks, comma-separated: each runs OVAL and the oracle charged its bytes"
+        "--ranks",
+        type=_ranks,
+        default=[8],
+        help="OVAL ranks, comma-separated: each runs OVAL and the oracle charged its bytes",
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
