@@ -151,6 +151,39 @@ def test_train_smol_resumes_exactly(smol_llava, tmp_path):
 
 
 @pytest.mark.real_lm
+def test_train_smol_batched_forward_and_workers_give_the_one_image_step(smol_llava, tmp_path):
+    """Images padded into one forward give each image's own logits, and a step taken that way with its items
+    prepared by a data worker moves the weights as the step taken image by image in the training process."""
+    from mm_oval.training.smol import SmolTrainConfig, Trainer, forward_packed, forward_packs, trained_state
+    from mm_oval.zoo.model import pixel_values
+
+    base, processor = smol_llava
+    cfg = dict(questions_per_image=2, images_per_step=2, eval_every=0, checkpoint_every=5, eval_images=1)
+    plain = Trainer(copy.deepcopy(base), processor, tmp_path / "a", SmolTrainConfig(**cfg))
+    batched = Trainer(
+        copy.deepcopy(base),
+        processor,
+        tmp_path / "b",
+        SmolTrainConfig(**cfg, images_per_forward=2, workers=1),
+    )
+    items = [plain.sampler.item(i, q) for i, q in ((7, 1), (8, 3))]  # different lengths: one is padded
+    packs = [plain.packer.pack(it.questions) for it in items]
+    assert packs[0].ids.numel() != packs[1].ids.numel()
+    with torch.no_grad():
+        both = forward_packs(plain.model.eval(), packs, pixel_values([it.image for it in items]))
+        alone = [forward_packed(plain.model, p, pixel_values([it.image])) for p, it in zip(packs, items)]
+    torch.testing.assert_close(both, torch.cat(alone), rtol=1e-4, atol=1e-4)
+
+    rec_a, rec_b = plain.train_step(), batched.train_step()
+    assert rec_a["tokens"] == rec_b["tokens"]
+    assert rec_b["loss"] == pytest.approx(rec_a["loss"], rel=1e-4)
+    a, b = trained_state(plain.model, plain.cfg), trained_state(batched.model, batched.cfg)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
+    assert batched.train_step()["step"] == 2  # the worker's next batch is the next step's items
+
+
+@pytest.mark.real_lm
 def test_the_bundled_smollm2_router2_serves_smollm2_and_reads_the_pages_of_its_context(smollm2, tiny_lm):
     """`router2:weights=smollm2-oval2` (trained on SmolLM2's text pages over compact OVAL rank 2) loads for
     SmolLM2, is what `router2` with no weights named picks for it, refuses another model, and at decode pools
@@ -165,7 +198,9 @@ def test_the_bundled_smollm2_router2_serves_smollm2_and_reads_the_pages_of_its_c
     Router2Retrieval(weights="smollm2-oval2", model=model)  # its own model: no error
     with pytest.raises(ModelError, match="another model"):
         mm_oval.wrap(tiny_lm, retrieval="router2", retrieval_options={"weights": "smollm2-oval2"})
-    msgs = [{"role": "user", "content": "The pass key is 71432. Remember it. " * 12 + "What is the pass key?"}]
+    msgs = [
+        {"role": "user", "content": "The pass key is 71432. Remember it. " * 12 + "What is the pass key?"}
+    ]
     inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     mm_oval.wrap(model, retrieval="router2", read_bytes_budget=0.5)  # no weights named: SmolLM2's own
     try:

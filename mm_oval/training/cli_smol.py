@@ -36,6 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="data and projector seed (default 0)")
     p.add_argument("--questions", type=int, default=d.questions_per_image, help="questions packed per image")
     p.add_argument("--images-per-step", type=int, default=d.images_per_step)
+    p.add_argument(
+        "--images-per-forward",
+        type=int,
+        default=d.images_per_forward,
+        help="images padded into one forward (default 1; on a GPU, e.g. all of a step's)",
+    )
+    p.add_argument("--workers", type=int, default=d.workers, help="data worker processes (default 0: none)")
     p.add_argument("--lr-projector", type=float, default=d.lr_projector)
     p.add_argument("--lr-lora", type=float, default=d.lr_lora)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
@@ -71,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         eval_every=args.eval_every,
         eval_images=args.eval_images,
+        images_per_forward=args.images_per_forward,
+        workers=args.workers,
     )
     cfg.validate()
     if "OMP_NUM_THREADS" in os.environ:

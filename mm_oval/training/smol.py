@@ -74,16 +74,24 @@ class SmolTrainConfig:
     checkpoint_every: int = 10
     eval_every: int = 50
     eval_images: int = 6
+    images_per_forward: int = 1  # images in one padded forward (a GPU wants many; the loss is the same)
+    workers: int = 0  # data worker processes preparing the next steps' images (0: in the training process)
     min_objects: int = 4
     max_objects: int = MAX_OBJECTS
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        for name in ("questions_per_image", "images_per_step", "checkpoint_every", "eval_images"):
+        for name in (
+            "questions_per_image",
+            "images_per_step",
+            "checkpoint_every",
+            "eval_images",
+            "images_per_forward",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0 or self.warmup_steps < 0:
-            raise ConfigError("eval_every and warmup_steps must be >= 0")
+        if self.eval_every < 0 or self.warmup_steps < 0 or self.workers < 0:
+            raise ConfigError("eval_every, warmup_steps and workers must be >= 0")
         if self.lm_dtype not in ("auto", "bfloat16", "float32"):
             raise ConfigError(f"lm_dtype must be auto, bfloat16 or float32, got {self.lm_dtype!r}")
 
@@ -175,24 +183,58 @@ class Packer:
         )
 
 
-def forward_packed(model: Any, packed: Packed, pixel: torch.Tensor) -> torch.Tensor:
-    """Logits (N, vocab, float32) at the label positions of one packed image."""
+def forward_packs(model: Any, packs: list[Packed], pixel: torch.Tensor) -> torch.Tensor:
+    """Logits (sum of N, vocab, float32) at the label positions of several packed images in one forward,
+    image by image in order. The images are right-padded to the longest; a pad position attends only to
+    itself and nothing attends to it, so each image's logits are those of its own forward."""
     inner = model.model
-    packed = packed.to(model.lm_head.weight.device)
+    dev = model.lm_head.weight.device
+    packs = [p.to(dev) for p in packs]
+    n = max(int(p.ids.numel()) for p in packs)
+    b = len(packs)
+    ids = torch.full((b, n), int(packs[0].ids[0]), dtype=torch.long, device=dev)
+    pos = torch.zeros((b, n), dtype=torch.long, device=dev)
+    mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(b, 1, 1)
+    for i, p in enumerate(packs):
+        t = int(p.ids.numel())
+        ids[i, :t], pos[i, :t], mask[i, :t, :t] = p.ids, p.positions, p.mask
     w = inner.multi_modal_projector.linear_1.weight
     with torch.no_grad():
         feats = patch_features(model, pixel.to(device=w.device, dtype=w.dtype))
-    img = inner.multi_modal_projector(feats)[0]
-    emb = inner.language_model.get_input_embeddings()(packed.ids[None])
-    emb = emb.index_put((torch.zeros_like(packed.image_at), packed.image_at), img.to(emb.dtype))
+    img = inner.multi_modal_projector(feats)  # (B, 576, hidden)
+    emb = inner.language_model.get_input_embeddings()(ids)
+    rows = torch.cat([torch.full_like(p.image_at, i) for i, p in enumerate(packs)])
+    cols = torch.cat([p.image_at for p in packs])
+    emb = emb.index_put((rows, cols), img.reshape(-1, img.shape[-1]).to(emb.dtype))
     out = inner.language_model(
-        inputs_embeds=emb,
-        attention_mask=packed.mask[None, None],
-        position_ids=packed.positions[None],
-        use_cache=False,
+        inputs_embeds=emb, attention_mask=mask[:, None], position_ids=pos, use_cache=False
     )
-    h = out.last_hidden_state[0, packed.label_at]
+    at_rows = torch.cat([torch.full_like(p.label_at, i) for i, p in enumerate(packs)])
+    h = out.last_hidden_state[at_rows, torch.cat([p.label_at for p in packs])]
     return model.lm_head(h).float()
+
+
+def forward_packed(model: Any, packed: Packed, pixel: torch.Tensor) -> torch.Tensor:
+    """Logits (N, vocab, float32) at the label positions of one packed image."""
+    return forward_packs(model, [packed], pixel)
+
+
+class TrainItems(torch.utils.data.Dataset):
+    """Item `i` of the sampler, packed, with its pixels: what a data worker prepares for a step."""
+
+    def __init__(self, sampler: TrainSampler576, packer: Packer, questions: int):
+        self.sampler, self.packer, self.questions = sampler, packer, questions
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, index: int) -> tuple[Packed, torch.Tensor]:
+        item = self.sampler.item(index, self.questions)
+        return self.packer.pack(item.questions), pixel_values([item.image])[0]
+
+
+def _as_list(batch: list) -> list:
+    return batch
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,6 +345,8 @@ class Trainer:
         self.sampler = TrainSampler576(
             cfg.seed, cfg.min_objects, cfg.max_objects, mmbench_fraction=cfg.mmbench_fraction
         )
+        self.items = TrainItems(self.sampler, self.packer, cfg.questions_per_image)
+        self._loader, self._loader_at = None, -1
         self.step = 0
         self.heldout = heldout_items(cfg.seed + 1_000_003, cfg.eval_images)
         self.resume()
@@ -384,15 +428,18 @@ class Trainer:
             base = cfg.lr_projector if g.get("name") == "projector" else cfg.lr_lora
             g["lr"] = base * lr_factor(self.step, cfg.warmup_steps)
         self.opt.zero_grad(set_to_none=True)
+        items = self._next_items()
         losses, tokens = [], 0
-        for j in range(cfg.images_per_step):
-            item = self.sampler.item(self.step * cfg.images_per_step + j, cfg.questions_per_image)
-            packed = self.packer.pack(item.questions)
-            logits = forward_packed(self.model, packed, pixel_values([item.image]))
-            loss = F.cross_entropy(logits, packed.labels.to(logits.device))
-            (loss / cfg.images_per_step).backward()
-            losses.append(loss.item())
-            tokens += int(packed.ids.numel())
+        for k in range(0, len(items), cfg.images_per_forward):
+            chunk = items[k : k + cfg.images_per_forward]
+            packs = [p for p, _ in chunk]
+            logits = forward_packs(self.model, packs, torch.stack([px for _, px in chunk]))
+            labels = torch.cat([p.labels for p in packs]).to(logits.device)
+            each = F.cross_entropy(logits, labels, reduction="none").split([len(p.labels) for p in packs])
+            loss = torch.stack([e.mean() for e in each])  # per image: the mean over its answer tokens
+            (loss.sum() / cfg.images_per_step).backward()
+            losses.extend(loss.tolist())
+            tokens += sum(int(p.ids.numel()) for p in packs)
         gnorm = (
             torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip) if cfg.grad_clip else torch.tensor(0.0)
         )
@@ -404,6 +451,25 @@ class Trainer:
             "tokens": tokens,
             "grad_norm": float(gnorm),
         }
+
+    def _next_items(self) -> list[tuple[Packed, torch.Tensor]]:
+        """This step's images (items step * images_per_step ...), from the workers when there are any."""
+        cfg = self.cfg
+        first = self.step * cfg.images_per_step
+        if not cfg.workers:
+            return [self.items[first + j] for j in range(cfg.images_per_step)]
+        if self._loader is None or self._loader_at != first:
+            loader = torch.utils.data.DataLoader(
+                self.items,
+                batch_size=cfg.images_per_step,
+                sampler=range(first, 2**62),
+                num_workers=cfg.workers,
+                collate_fn=_as_list,
+                prefetch_factor=4,
+            )
+            self._loader = iter(loader)
+        self._loader_at = first + cfg.images_per_step
+        return next(self._loader)
 
     def evaluate(self) -> dict:
         self.model.eval()
