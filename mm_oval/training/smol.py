@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -109,12 +110,20 @@ class SmolTrainConfig:
 class Packed:
     ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
-    mask: torch.Tensor  # (T, T) bool, True = may attend
+    segment: torch.Tensor  # (T,) -1 for the shared prefix, else the question's index
     image_at: torch.Tensor  # (576,) positions of the image tokens
     label_at: torch.Tensor  # (N,) positions whose next token is an answer token
     labels: torch.Tensor  # (N,) those answer tokens
     question_of: torch.Tensor  # (N,) which question each label belongs to
     qtypes: list[str]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(T, T) bool, True = may attend: causal, to the shared prefix and within the own question. Built
+        on demand (a data worker hands over O(T), not O(T^2))."""
+        s = self.segment
+        causal = torch.ones(len(s), len(s), dtype=torch.bool, device=s.device).tril()
+        return causal & ((s[None, :] == -1) | (s[None, :] == s[:, None]))
 
     def to(self, device: torch.device) -> Packed:
         if self.ids.device == device:
@@ -166,15 +175,11 @@ class Packer:
             label_at.extend(range(first_answer - 1, first_answer - 1 + len(answer)))
             labels.extend(answer)
             question_of.extend([k] * len(answer))
-        s = torch.tensor(seg)
-        n = len(ids)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        mask = causal & ((s[None, :] == -1) | (s[None, :] == s[:, None]))
         ids_t = torch.tensor(ids)
         return Packed(
             ids_t,
             torch.tensor(pos),
-            mask,
+            torch.tensor(seg),
             (ids_t == self.image_id).nonzero().flatten(),
             torch.tensor(label_at),
             torch.tensor(labels),
@@ -229,8 +234,10 @@ class TrainItems(torch.utils.data.Dataset):
         return 2**62
 
     def __getitem__(self, index: int) -> tuple[Packed, torch.Tensor]:
+        """(packed questions, the image as uint8 RGB (H, W, 3): a quarter of its float pixels' bytes in the
+        shared memory a worker hands it over through)."""
         item = self.sampler.item(index, self.questions)
-        return self.packer.pack(item.questions), pixel_values([item.image])[0]
+        return self.packer.pack(item.questions), torch.from_numpy(np.array(item.image.convert("RGB")))
 
 
 def _as_list(batch: list) -> list:
@@ -433,7 +440,8 @@ class Trainer:
         for k in range(0, len(items), cfg.images_per_forward):
             chunk = items[k : k + cfg.images_per_forward]
             packs = [p for p, _ in chunk]
-            logits = forward_packs(self.model, packs, torch.stack([px for _, px in chunk]))
+            pixel = pixel_values([Image.fromarray(rgb.numpy()) for _, rgb in chunk])
+            logits = forward_packs(self.model, packs, pixel)
             labels = torch.cat([p.labels for p in packs]).to(logits.device)
             each = F.cross_entropy(logits, labels, reduction="none").split([len(p.labels) for p in packs])
             loss = torch.stack([e.mean() for e in each])  # per image: the mean over its answer tokens
@@ -465,7 +473,7 @@ class Trainer:
                 sampler=range(first, 2**62),
                 num_workers=cfg.workers,
                 collate_fn=_as_list,
-                prefetch_factor=4,
+                prefetch_factor=2,
             )
             self._loader = iter(loader)
         self._loader_at = first + cfg.images_per_step
