@@ -26,6 +26,7 @@ from mm_oval.training.traces import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
 def _short(n_sentences: int = 6) -> TraceSample:
     """A short text sample (a 6-sentence document with a pass key), cheap to run byte by byte."""
     spec = {"seed": 3, "per_length": 1, "lengths": {"s": n_sentences}}
@@ -166,3 +167,38 @@ def test_the_bundled_smollm2_agents_load_on_smollm2_and_keep_the_budget(smollm2)
         stats = get_stats(model)
     assert stats["method"] == "kvp" and stats["kv_fraction_kept"] == pytest.approx(0.25, abs=0.03)
     assert not mm_oval.is_wrapped(model)
+
+
+def test_reconstruction_utility_is_kvzips_score_and_mixed_needs_both(tiny_lm, byte_tokenizer, tmp_path):
+    """`--utility reconstruction|mixed`: the trace holds KVzip's score of each context token (what the kvzip
+    method keeps by, from the same prompt), and the training utility is it, or it and the future's attention
+    normalised per layer and KV head and added; traces without it are refused with a clear error."""
+    from mm_oval.policies.kvzip import KVzip
+    from mm_oval.training.traces import select_utility
+
+    model, tok = tiny_lm, byte_tokenizer
+    sample = _short()
+    head, _ = split_prompt(tok, sample_as_item(sample), torch.device("cpu"))
+    tr = capture_sample(
+        model, tok, sample, answer="greedy", compress="context", store_queries=False, reconstruction=True
+    )
+    kvzip = KVzip()
+    kvzip.bind_tokenizer(tok)
+    want = kvzip.prepare_request(model, head, torch.ones_like(head)).scores
+    assert tr["reconstruction"].shape == tr["utility"].shape == (3, 2, head.shape[1])
+    assert torch.allclose(tr["reconstruction"], torch.stack([s[0] for s in want]), atol=1e-6)
+    assert bool((tr["reconstruction"][..., :4] == 1).all())  # KVzip's sinks
+    assert select_utility(tr, "future") is tr
+    assert torch.equal(select_utility(tr, "reconstruction")["utility"], tr["reconstruction"])
+    mixed = select_utility(tr, "mixed")["utility"]
+    fut, rec = tr["utility"], tr["reconstruction"]
+    assert torch.allclose(mixed, fut / fut.sum(-1, keepdim=True) + rec / rec.sum(-1, keepdim=True))
+    assert torch.allclose(mixed.sum(-1), torch.full((3, 2), 2.0))
+    plain = capture_sample(model, tok, sample, answer="greedy", compress="context", store_queries=False)
+    assert "reconstruction" not in plain
+    with pytest.raises(DataError, match="no reconstruction utility"):
+        select_utility(plain, "mixed")
+    with pytest.raises(ConfigError, match="utility must be one of"):
+        select_utility(tr, "softmax")
+    with pytest.raises(ConfigError, match="utility must be one of"):
+        train(model, tok, tmp_path / "x", PipelineConfig(data="longtext:train:2:512", utility="oracle"))

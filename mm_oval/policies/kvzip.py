@@ -227,6 +227,10 @@ class KVzip(EvictionPolicy):
                 f"kvzip: no tokenizer could be loaded from {source!r} ({e}); pass method option "
                 "tokenizer=<folder or hub id of the model's tokenizer>"
             ) from e
+        self.bind_tokenizer(tok)
+
+    def bind_tokenizer(self, tok: Any) -> None:
+        """Encode the repeat prompts with `tok` (the model's tokenizer, with its chat template)."""
         self._ids = (
             self._encode(tok, self.repeat_prompt),
             self._encode(tok, self.continue_prompt),

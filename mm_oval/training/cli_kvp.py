@@ -23,6 +23,7 @@ from ..modelfiles import MODEL_HELP, add_load_arguments, load_from_args
 from ..policies.kvp_agents import EXTRA_FEATURES
 from ..prompts import COMPRESS_AT
 from .kvp import KVPTrainConfig, PipelineConfig, format_heldout, train
+from .traces import UTILITIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,6 +89,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where the traces' prompt ends: after the question (prompt) or right after the image (image: "
         "the question-agnostic setting of `eval --compress image`, the question counts as future); context: "
         "the same for text data, the prompt ends at the context (`eval --compress context`)",
+    )
+    p.add_argument(
+        "--utility",
+        choices=UTILITIES,
+        default="future",
+        help="what the agents learn to keep: the attention the future (question, answer) pays each token "
+        "(future, default), KVzip's reconstruction attention (reconstruction: question-agnostic, no future "
+        "needed; text data) or both, each normalised per layer and KV head (mixed)",
     )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)

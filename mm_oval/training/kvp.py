@@ -38,7 +38,7 @@ from ..policies.kvp_features import extra_features
 from ..policies.kvp_io import save_agents
 from ..policies.kvp_select import RedundancySelection
 from ..policies.signature import model_signature
-from .traces import capture_traces, load_samples, load_traces, parse_longtext_spec
+from .traces import UTILITIES, capture_traces, load_samples, load_traces, parse_longtext_spec, select_utility
 
 logger = logging.getLogger(__name__)
 
@@ -528,6 +528,9 @@ class PipelineConfig:
     store_queries: bool = True
     shard_size: int = 128
     compress: str = "prompt"  # where the traces' prompt ends: "prompt" or "image"
+    # what the agents learn to keep (traces.select_utility): the attention the future pays ("future"), KVzip's
+    # reconstruction attention ("reconstruction", text only) or both ("mixed")
+    utility: str = "future"
     seed: int = 0
     proj: int = 64
     hidden: int = 64
@@ -644,6 +647,8 @@ def train(
     Every stage resumes from what a previous call with the same settings left in `out_dir`."""
     out = Path(out_dir)
     selection = RedundancySelection(cfg.redundancy, cfg.sigma)  # a bad setting fails before any capture
+    if cfg.utility not in UTILITIES:
+        raise ConfigError(f"utility must be one of {UTILITIES}, got {cfg.utility!r}")
     train_cfg = train_cfg if train_cfg is not None else KVPTrainConfig(seed=cfg.seed)
     signature = model_signature(model)
     train_samples, held_samples, held_spec, fu = _split_samples(cfg)
@@ -661,9 +666,10 @@ def train(
             store_queries=cfg.store_queries,
             progress=(lambda i, n, s=stage: progress(s, i, n, {})) if progress else None,
             compress=cfg.compress,
+            reconstruction=cfg.utility != "future",
         )
-    train_traces = load_traces([dirs["train"]])
-    held = load_traces([dirs["heldout"]])
+    train_traces = [select_utility(t, cfg.utility) for t in load_traces([dirs["train"]])]
+    held = [select_utility(t, cfg.utility) for t in load_traces([dirs["heldout"]])]
     res = train_agents(
         train_traces,
         agent_config(signature, cfg, fixed_grid=family_of(model) == FIXED),
@@ -682,6 +688,7 @@ def train(
         "followups": fu,
         "answer": cfg.answer,
         "compress": cfg.compress,
+        "utility": cfg.utility,
         "heldout_cost": {k: v["cost"] for k, v in table.items()},
     }
     save_agents(res.agents, out, signature, training, asdict(selection) if selection.active else None)

@@ -389,6 +389,7 @@ def capture_sample(
     max_new_tokens: int = 32,
     store_queries: bool = True,
     compress: str = "prompt",
+    reconstruction: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run one sample and return its trace tensors (see the module docstring). The future queries are every
     token after the prompt that is fed back to the model: the answer, then the follow-up turns (the final
@@ -399,7 +400,13 @@ def capture_sample(
     if compress not in COMPRESS_AT:
         raise ConfigError(f"compress must be one of {COMPRESS_AT}, got {compress!r}")
     if sample.context is not None:
-        return _capture_text(model, processor, sample, answer, max_new_tokens, store_queries, compress)
+        return _capture_text(
+            model, processor, sample, answer, max_new_tokens, store_queries, compress, reconstruction
+        )
+    if reconstruction:
+        raise DataError(
+            f"sample {sample.sample_id}: the reconstruction utility is captured for text samples only"
+        )
     if compress == "context":
         raise DataError(
             f"sample {sample.sample_id}: compress='context' is for text samples (a context read before the "
@@ -476,6 +483,7 @@ def _capture_text(
     max_new_tokens: int,
     store_queries: bool,
     compress: str,
+    reconstruction: bool = False,
 ) -> dict[str, torch.Tensor]:
     """`capture_sample` for a text sample on a plain LM (`processor`: its tokenizer, or a processor holding
     one). The tokens are the harness's (eval/textgen.py): the head (chat template + context + separator),
@@ -519,7 +527,48 @@ def _capture_text(
     out["modality"] = torch.full((n,), TEXT, dtype=torch.int8)
     out["image_rc"] = torch.full((n, 3), -1, dtype=torch.int16)
     out["future_len"] = torch.tensor([full_ids.shape[1] - n], dtype=torch.int32)
+    if reconstruction:
+        out["reconstruction"] = reconstruction_utility(model, tok, full_ids[:, :n])
     return out
+
+
+def reconstruction_utility(model: Any, tokenizer: Any, prompt_ids: torch.Tensor) -> torch.Tensor:
+    """(L, Hkv, n) float32: KVzip's score of each prompt token (policies/kvzip.py: the largest attention it
+    receives while the model reconstructs the prompt after a repeat prompt, encoded with `tokenizer`; the
+    first tokens score 1), a question-agnostic utility that needs no future."""
+    from ..policies.kvzip import KVzip
+
+    kvzip = KVzip()
+    kvzip.bind_tokenizer(tokenizer)
+    prepared = kvzip.prepare_request(model, prompt_ids, torch.ones_like(prompt_ids))
+    return torch.stack([s[0] for s in prepared.scores]).float().cpu()
+
+
+UTILITIES = ("future", "reconstruction", "mixed")
+
+
+def select_utility(trace: dict[str, Any], utility: str) -> dict[str, Any]:
+    """The trace with `utility` as its "utility": `future` (the attention the future pays, as captured),
+    `reconstruction` (KVzip's reconstruction attention) or `mixed` (the two, each normalised to sum 1 per
+    layer and KV head, added: a token either one needs ranks high)."""
+    if utility == "future":
+        return trace
+    if utility not in UTILITIES:
+        raise ConfigError(f"utility must be one of {UTILITIES}, got {utility!r}")
+    if "reconstruction" not in trace:
+        raise DataError(
+            "these traces hold no reconstruction utility: capture them with the reconstruction utility "
+            "(train-kvp --utility reconstruction or mixed) into a new --out"
+        )
+    rec = trace["reconstruction"].float()
+    if utility == "reconstruction":
+        u = rec
+    else:
+        fut = trace["utility"].float()
+        u = fut / fut.sum(-1, keepdim=True).clamp_min(1e-12) + rec / rec.sum(-1, keepdim=True).clamp_min(
+            1e-12
+        )
+    return trace | {"utility": u}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -549,6 +598,7 @@ def capture_traces(
     max_new_tokens: int = 32,
     progress: Callable[[int, int], None] | None = None,
     compress: str = "prompt",
+    reconstruction: bool = False,
 ) -> Path:
     """Capture traces for `samples` into `out_dir` (shard_XXXXX.safetensors + manifest.json). Resumes a
     previous capture of the same model, data and settings after its last complete shard."""
@@ -565,6 +615,8 @@ def capture_traces(
     }
     if compress != "prompt":  # recorded only when set, so captures made before the option still resume
         settings["compress"] = compress
+    if reconstruction:  # likewise
+        settings["reconstruction"] = True
     manifest = _read_manifest(out_dir)
     if manifest is None:
         manifest = {"model": sig, "settings": settings, "shards": []}
@@ -591,6 +643,7 @@ def capture_traces(
                 max_new_tokens=max_new_tokens,
                 store_queries=store_queries,
                 compress=compress,
+                reconstruction=reconstruction,
             )
             for name, t in tr.items():
                 tensors[f"{k}.{name}"] = t.contiguous()
