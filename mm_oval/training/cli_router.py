@@ -54,7 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--prompt-queries", type=int, default=4, help="last prompt positions routed as well")
     parser.add_argument(
-        "--image-tile", type=int, default=DEFAULT_IMAGE_TILE, help="image pages: tiles of this side (default: %(default)s, as wrap)"
+        "--image-tile",
+        type=int,
+        default=DEFAULT_IMAGE_TILE,
+        help="image pages: tiles of this side (default: %(default)s, as wrap)",
     )
     parser.add_argument("--text-page-size", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=30)
@@ -78,15 +81,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", type=int, choices=(1, 2), default=1, help="1: the router; 2: router v2")
     parser.add_argument("--base", choices=("quest", "oval"), default="quest", help="router v2's base scorer")
     parser.add_argument(
-        "--base-options", default="{}", help='router v2: the base scorer\'s options as JSON, e.g. \'{"rank": 1}\''
+        "--base-options",
+        default="{}",
+        help="router v2: the base scorer's options as JSON, e.g. '{\"rank\": 1}'",
     )
     parser.add_argument("--no-content", action="store_true", help="router v2 without the content term")
     parser.add_argument(
-        "--locality", action="store_true", help="router v2 with the distance-decay term (off: it added nothing)"
+        "--locality",
+        action="store_true",
+        help="router v2 with the distance-decay term (off: it added nothing)",
     )
     parser.add_argument("--gcn", action="store_true", help="router v2 with the co-read graph (GCN) term")
     parser.add_argument(
-        "--objective", choices=("focal", "gumbel"), default="focal", help="router v2: focal loss or Gumbel top-k"
+        "--objective",
+        choices=("focal", "gumbel"),
+        default="focal",
+        help="router v2: focal loss or Gumbel top-k",
     )
     parser.add_argument("--resume", action="store_true", help="router v2: continue the run in --out")
     add_load_arguments(parser, device=False)  # --device above: the router trains where the model is
@@ -178,7 +188,9 @@ def run2(args: argparse.Namespace) -> int:
     )
 
     if args.clip_model or args.lora_only or args.init:
-        raise ConfigError("--version 2 takes no --clip-model, --lora-only or --init (use --resume to continue)")
+        raise ConfigError(
+            "--version 2 takes no --clip-model, --lora-only or --init (use --resume to continue)"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -188,7 +200,9 @@ def run2(args: argparse.Namespace) -> int:
     try:
         base_options = json.loads(args.base_options)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--base-options {args.base_options!r} is not JSON ({e}); e.g. '{{\"rank\": 1}}'") from e
+        raise ConfigError(
+            f"--base-options {args.base_options!r} is not JSON ({e}); e.g. '{{\"rank\": 1}}'"
+        ) from e
     if not isinstance(base_options, dict):
         raise ConfigError(f"--base-options must be a JSON object, got {args.base_options!r}")
     base = make_retrieval(args.base, **base_options)
@@ -208,7 +222,9 @@ def run2(args: argparse.Namespace) -> int:
             log.info("reusing %d captured %s prompts from %s", len(sets[split]), split, path)
         else:
             prompts = load_prompts(spec, seed=args.seed + seed)
-            sets[split] = capture_router2_data(model, processor, tqdm(prompts, desc=f"capture {split}"), base, **kw)
+            sets[split] = capture_router2_data(
+                model, processor, tqdm(prompts, desc=f"capture {split}"), base, **kw
+            )
             save_router2_capture(sets[split], path)
     history_path = out / "history.json"
     start, history = 0, []
@@ -233,7 +249,14 @@ def run2(args: argparse.Namespace) -> int:
         net,
         sets["train"],
         sets["val"],
-        Train2Options(epochs=args.epochs, lr=args.lr, batch=args.batch, gamma=args.gamma, objective=args.objective, seed=args.seed),
+        Train2Options(
+            epochs=args.epochs,
+            lr=args.lr,
+            batch=args.batch,
+            gamma=args.gamma,
+            objective=args.objective,
+            seed=args.seed,
+        ),
         progress=lambda row: (bar.update(1), bar.set_postfix({k: round(v, 4) for k, v in row.items()})),
         start_epoch=start,
         checkpoint=checkpoint,
@@ -248,7 +271,11 @@ def run2(args: argparse.Namespace) -> int:
     if sets["val"]:  # the weights kept (the held-out best), not the last epoch's
         from .router import evaluate_router2
 
-        h = {f"val{int(b * 100)}_{k}": v for b in (0.10, 0.25) for k, v in evaluate_router2(net, sets["val"], b).items()}
+        h = {
+            f"val{int(b * 100)}_{k}": v
+            for b in (0.10, 0.25)
+            for k, v in evaluate_router2(net, sets["val"], b).items()
+        }
         log.info(
             "held-out share of candidate attention mass at 10%% / 25%% of the pages: router2 %.3f / %.3f, "
             "base %.3f / %.3f, oracle %.3f / %.3f",

@@ -270,7 +270,9 @@ def _page_tiles(image, processor, lay, info, p, tok_page, ids) -> list:
 def pca_page_init(router: HybridRouter, samples: list[RouterSample]) -> None:
     """W_page = the top principal directions of the (normalised) page contents: the model's own CLIP
     features for image pages and token embeddings for text pages, kept in one space."""
-    w = pca_directions(router.content_norm(torch.cat([s.content for s in samples]).float()), router.config.route_dim)
+    w = pca_directions(
+        router.content_norm(torch.cat([s.content for s in samples]).float()), router.config.route_dim
+    )
     with torch.no_grad():
         router.page_proj.weight.copy_(w)
     router.config.page_init = "pca"
@@ -678,7 +680,9 @@ def capture_router2_data(
                 summaries = base.summarize(batch)
                 kk = k[0].repeat_interleave(group, dim=0).float()  # (Hq, total, D)
                 for r, i in enumerate(rows):
-                    att = torch.softmax(torch.einsum("hd,htd->ht", q[0, :, i].float(), kk[:, : i + 1]) * scale, -1)
+                    att = torch.softmax(
+                        torch.einsum("hd,htd->ht", q[0, :, i].float(), kk[:, : i + 1]) * scale, -1
+                    )
                     att = F.pad(att[:, :n], (0, max(0, n - i - 1)))
                     mass[r, layer] = page_mass(att, tok_page, p, kv_heads=hkv).cpu()
                     for target, row in ((base_now, i), (base_prev, i - 1)):
@@ -717,7 +721,9 @@ def _prompt_inputs(
         asked = SimpleNamespace(context=prompt.context, prompt=prompt.text)
         head, tail = split_prompt(tokenizer_of(processor), asked, device)
         ids = torch.cat([head, tail], dim=1)
-        info = request_info(ids, None, None, 0, sink_tokens, recent_tokens, geometry=image_geometry(model, ids))
+        info = request_info(
+            ids, None, None, 0, sink_tokens, recent_tokens, geometry=image_geometry(model, ids)
+        )
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, info, head.shape[1]
     if prompt.image is None:
         raise DataError(f"router prompt {prompt.text[:40]!r} has neither an image nor a text context")
@@ -742,7 +748,9 @@ def save_router2_capture(samples: list[Router2Sample], path: str | Path) -> None
     tensors = {f: torch.cat([getattr(s, f).flatten() for s in samples]).contiguous() for f in _R2_FIELDS}
     tensors["pages"] = torch.tensor([s.content.shape[0] for s in samples])
     tensors["rows"] = torch.tensor([s.last_hidden.shape[0] for s in samples])
-    tensors["dims"] = torch.tensor([*samples[0].mass.shape[1:3], samples[0].content.shape[1]])  # L, Hkv, hidden
+    tensors["dims"] = torch.tensor(
+        [*samples[0].mass.shape[1:3], samples[0].content.shape[1]]
+    )  # L, Hkv, hidden
     atomic_write_bytes(Path(path), save(tensors))
 
 
