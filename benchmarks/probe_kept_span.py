@@ -11,11 +11,18 @@ and to the cue's tokens, and whether the method's own greedy answer scores.
 
     python benchmarks/probe_kept_span.py                       # message_1k, first 10 contexts, 25%, KVP and KVzip
     python benchmarks/probe_kept_span.py --task needle_1k --budget 0.1 --methods kvp:agents=smollm2-context keydiff
+    python benchmarks/probe_kept_span.py --methods future_oracle:reduce=sum future_oracle:reduce=max
+
+`future_oracle` (a diagnostic registered in this script's process only: it reads the future) keeps, per layer
+and KV head, the tokens the full cache's own question and greedy answer pay the most attention, summed over
+those queries (`reduce=sum`: exactly the utility KVP's agents are trained to rank by) or their largest
+(`reduce=max`): what a perfect KVP would keep.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 from mm_oval.eval.longtext import score_item
@@ -25,8 +32,11 @@ from probe_kvzip_passkey import key_tokens
 
 import mm_oval
 from mm_oval.config import OvalConfig
+from mm_oval.core import PrefillContext
 from mm_oval.files import atomic_write_json
 from mm_oval.modelfiles import load_model
+from mm_oval.policies.base import EvictionPolicy
+from mm_oval.registry import EVICTION_REGISTRY
 from mm_oval.wrapper import prefill
 
 ANSWER_FIELDS = ("message", "word", "key")  # the item's answer in its meta, by kind
@@ -51,16 +61,42 @@ def kept_masks(cache, n: int) -> list[torch.Tensor]:
     return out
 
 
-def answer_attention(model, ids: torch.Tensor, n: int, kv_heads: int) -> list[torch.Tensor]:
+def answer_attention(model, ids: torch.Tensor, n: int, kv_heads: int) -> tuple[list[torch.Tensor], dict]:
     """Per layer, (KV heads, n): the attention the positions after the head (question and answer) pay the
-    head's n positions, summed over those queries and each KV head's query heads, normalised per KV head."""
+    head's n positions, summed over those queries and each KV head's query heads, normalised per KV head.
+    Also the future's utility of each head position per layer, (KV heads, n), max over each KV head's query
+    heads of the attention, reduced over the future's queries by `sum` (KVP's training target) and by `max`
+    (the largest attention any one future query pays it, as KVzip scores its reconstruction's queries)."""
     out = model(input_ids=ids, output_attentions=True, use_cache=False, logits_to_keep=1)
-    per_layer = []
+    per_layer, utility = [], {"sum": [], "max": []}
     for att in out.attentions:  # (1, query heads, T, T)
-        a = att[0, :, n:, :n].sum(1)  # (query heads, n)
-        a = a.reshape(kv_heads, -1, n).sum(1)
+        fut = att[0, :, n:, :n].float()  # (query heads, future queries, n)
+        a = fut.sum(1).reshape(kv_heads, -1, n).sum(1)
         per_layer.append(a / a.sum(-1, keepdim=True))
-    return per_layer
+        utility["sum"].append(fut.sum(1).reshape(kv_heads, -1, n).amax(1))
+        utility["max"].append(fut.amax(1).reshape(kv_heads, -1, n).amax(1))
+    return per_layer, utility
+
+
+FUTURE: dict[str, list[torch.Tensor]] = {}  # the current context's future utility (set before its prefill)
+
+
+@dataclass
+class FutureOracle(EvictionPolicy):
+    """A diagnostic, not a method: keeps the tokens the full cache's own future (the question and the full
+    cache's greedy answer) pays the most attention, reduced over the future's queries by `reduce` (sum: the
+    utility KVP's agents are trained to rank by; max: as KVzip scores its reconstruction's queries). It reads
+    the future, so it is registered only in this script's process."""
+
+    name = "future_oracle"
+    comparable_across_heads = True
+    reduce: str = "sum"
+
+    def score(self, ctx: PrefillContext) -> torch.Tensor:
+        u = FUTURE[self.reduce][ctx.layer_idx].to(ctx.keys.device)  # (Hkv, n)
+        if ctx.keys.shape[0] != 1 or u.shape[-1] != ctx.keys.shape[2]:
+            raise ValueError("future_oracle scores one unpadded context at a time")
+        return u[None]
 
 
 def tokens_kept(masks: list[torch.Tensor], positions: list[int]) -> float:
@@ -73,7 +109,9 @@ def attention_kept(masks: list[torch.Tensor], per_layer: list[torch.Tensor]) -> 
     return float(torch.stack([(a * m).sum(-1) for m, a in zip(masks, per_layer)]).mean())
 
 
-def attention_on_kept(masks: list[torch.Tensor], per_layer: list[torch.Tensor], positions: list[int]) -> float:
+def attention_on_kept(
+    masks: list[torch.Tensor], per_layer: list[torch.Tensor], positions: list[int]
+) -> float:
     """Of all the answer attention the pairs pay the given positions, the share that lands on kept ones (a
     pair that pays them more weighs more)."""
     kept = sum(float((a[:, positions] * m[:, positions]).sum()) for m, a in zip(masks, per_layer))
@@ -90,6 +128,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
+    EVICTION_REGISTRY[FutureOracle.name] = FutureOracle
     model, tok = load_model("smollm2")
     task = get_task(args.task)
     items = task.load(task.bundled["bundled"](), limit=args.contexts)
@@ -106,14 +145,15 @@ def main() -> None:
             raise SystemExit(f"{it.id}: its answer {it.meta[field]!r} is not spelled out in the context")
         ids = torch.cat([head, tail], dim=1)
         seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen)
-        att = answer_attention(model, seq[:, :-1], head.shape[1], kv_heads)
-        prompts.append((it, head, ids, span, cue_tokens(tok, head[0].tolist(), span[0]), att))
+        att, utility = answer_attention(model, seq[:, :-1], head.shape[1], kv_heads)
+        prompts.append((it, head, ids, span, cue_tokens(tok, head[0].tolist(), span[0]), att, utility))
     model.set_attn_implementation("sdpa")
     rows = []
     for spec in args.methods:
         mm_oval.wrap(model, OvalConfig.from_spec(spec, args.budget))
         try:
-            for it, head, ids, span, cue, att in prompts:
+            for it, head, ids, span, cue, att, utility in prompts:
+                FUTURE.update(utility)
                 cache = prefill(model, input_ids=head, attention_mask=torch.ones_like(head))
                 masks = kept_masks(cache, head.shape[1])
                 seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **gen)
