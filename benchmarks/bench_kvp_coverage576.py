@@ -118,7 +118,9 @@ def main() -> None:
                     d[1] += none
                     d[2] += fewer
                     d[3] += err
-    print(f"{args.scenes} held-out scenes; per head: objects with no kept patch / fewer than 2 / centre error")
+    print(
+        f"{args.scenes} held-out scenes; per head: objects with no kept patch / fewer than 2 / centre error"
+    )
     head_names = "".join(f"{f'L{ly} KV{h}':>20}" for ly, h in HEADS)
     print(f"{'method':<26}{'budget':>7}{head_names}")
     for name in methods:
@@ -128,7 +130,9 @@ def main() -> None:
                 n, none, fewer, err = table[(name, b, layer, head)]
                 cells.append(f"{none:>3}/{fewer:>3} of {n:<3} {sum(err) / max(1, len(err)):>5.2f}")
             print(f"{name:<26}{b:>7.2f}" + "".join(f"{c:>20}" for c in cells))
-    print("\nshare of the image tokens' future attention from the answer-producing tokens (the rest: question)")
+    print(
+        "\nshare of the image tokens' future attention from the answer-producing tokens (the rest: question)"
+    )
     for (layer, h), (prod, tot) in sorted(share.items()):
         print(f"layer {layer} KV head {h}: {100 * prod / max(tot, 1e-12):5.1f}%")
 

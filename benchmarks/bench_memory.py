@@ -62,7 +62,9 @@ def sizes(small: bool, layers: int) -> TinyLlavaSizes:
     if small:
         return TinyLlavaSizes(text_layers=layers)
     s = LLAVA7B
-    vision = {k: MID[k] for k in ("image_size", "patch_size", "vision_hidden", "vision_layers", "vision_heads")}
+    vision = {
+        k: MID[k] for k in ("image_size", "patch_size", "vision_hidden", "vision_layers", "vision_heads")
+    }
     return TinyLlavaSizes(**vision, text_hidden=s["hidden"], text_layers=layers, text_heads=s["heads"],
                           text_kv_heads=s["kv_heads"], text_intermediate=s["mlp"], max_positions=4096)  # fmt: skip
 

@@ -215,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     ap.add_argument("--read-budget", type=float, default=0.25)
     ap.add_argument(
-        "--image-tile", type=int, default=4, choices=[2, 4], help="image pages: 2x2 or 4x4 tiles (4: wrap's default)"
+        "--image-tile",
+        type=int,
+        default=4,
+        choices=[2, 4],
+        help="image pages: 2x2 or 4x4 tiles (4: wrap's default)",
     )
     ap.add_argument(
         "--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     first_agents = lambda: committed.score_layer(0, kf, vf, pos, mod, rc).log_softmax(-1)  # noqa: E731
     selection = RedundancySelection(redundancy=4.0, sigma=3.0)
     pair = pair_kernel(mod, rc, selection.sigma)
-    n_img_25 = -(-s["grid"] ** 2 // 4)  # a 25% image budget's count per head: the walk stops there
+    n_img_25 = -(-(s["grid"] ** 2) // 4)  # a 25% image budget's count per head: the walk stops there
     jobs = {
         "prefill layer": lambda: layer(x, position_embeddings=pe),
         "kvzip pre-pass": kvzip_prepass,

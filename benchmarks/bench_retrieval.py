@@ -519,9 +519,13 @@ def main() -> int:
         default=None,
         help="router v2 rows, NAME=DIR or DIR (default: the bundled router v2 when it fits the model)",
     )
-    ap.add_argument("--methods", nargs="+", default=None, help="only these rows (e.g. quest 'oval r=2 eta=0.5')")
     ap.add_argument(
-        "--width-cost", action="store_true", help="also time router v2 against a decode layer at LLaVA-1.5-7B's shape"
+        "--methods", nargs="+", default=None, help="only these rows (e.g. quest 'oval r=2 eta=0.5')"
+    )
+    ap.add_argument(
+        "--width-cost",
+        action="store_true",
+        help="also time router v2 against a decode layer at LLaVA-1.5-7B's shape",
     )
     ap.add_argument("--cost-prompts", type=int, default=8)
     ap.add_argument("--cost-tokens", type=int, default=16)
@@ -543,7 +547,9 @@ def main() -> int:
     except mm_oval.MmOvalError as e:
         print(f"router skipped: {e}")
         has_router = False
-    methods = methods_for(args.router, has_router, args.ranks, router2_rows(args.router2, model), args.methods)
+    methods = methods_for(
+        args.router, has_router, args.ranks, router2_rows(args.router2, model), args.methods
+    )
     geometry = 576 if getattr(model.config, "image_seq_length", 0) == 576 else 64
     prompts = zoo_prompts(args.prompts, args.seed, geometry)
     t0 = time.perf_counter()

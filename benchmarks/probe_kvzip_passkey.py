@@ -52,7 +52,9 @@ def main() -> None:
         kept = above < args.budget
         span = key_tokens(tok, head[0].tolist(), it.meta["key"])
         shares = [round(float(kept[:, :, i].float().mean()), 2) for i in span]
-        rows.append({"context": it.id, "tokens": head.shape[1], "key": it.meta["key"], "key_token_kept": shares})
+        rows.append(
+            {"context": it.id, "tokens": head.shape[1], "key": it.meta["key"], "key_token_kept": shares}
+        )
         print(f"{it.id}: {head.shape[1]} tokens, key {it.meta['key']} (twice, {len(span)} digit tokens): "
               f"kept by {shares} of (layer, KV head) pairs at {args.budget:.0%}; average token {args.budget:.2f}")  # fmt: skip
     if args.json:

@@ -329,7 +329,9 @@ class LongTextTask(Task):
         return out
 
     def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:
-        return write_jsonl_answers(path, ((it.id, predictions[it.id]) for it in items if it.id in predictions))
+        return write_jsonl_answers(
+            path, ((it.id, predictions[it.id]) for it in items if it.id in predictions)
+        )
 
 
 def _task_class(kind: str, length: str) -> type[LongTextTask]:

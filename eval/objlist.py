@@ -224,4 +224,6 @@ class ObjListTask(Task):
         return out
 
     def write_predictions(self, path: Path, items: list[Item], predictions: dict[str, str]) -> Path:
-        return write_jsonl_answers(path, ((it.meta["question_id"], predictions[it.id]) for it in items if it.id in predictions))
+        return write_jsonl_answers(
+            path, ((it.meta["question_id"], predictions[it.id]) for it in items if it.id in predictions)
+        )

@@ -216,7 +216,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
             f"For {', '.join(by_bytes)} (retrieval) the budget is `read_bytes_budget`, the bytes each decode "
             "step reads as a share of dense attention's, and the whole cache stays resident.",
         ]
-    if any(c.get("read_vs_dense") is not None and budget_field(c["method"]) != "budget" for c in summary["cells"]):
+    if any(
+        c.get("read_vs_dense") is not None and budget_field(c["method"]) != "budget" for c in summary["cells"]
+    ):
         lines += [
             "",
             "`read Nx`: the bytes the retrieval decode steps read (page summaries scanned + keys and values of "

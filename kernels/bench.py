@@ -296,7 +296,12 @@ def verify_sparse_decode(device: torch.device, g: torch.Generator) -> list[Check
 
     checks = []
     for dtype in (torch.float16, torch.bfloat16):
-        for B, Hkv, G, N, ps in [(2, 32, 1, 4096, 16), (3, 8, 4, 1000, 16), (1, 4, 8, 300, 1), (2, 4, 4, 777, 70)]:
+        for B, Hkv, G, N, ps in [
+            (2, 32, 1, 4096, 16),
+            (3, 8, 4, 1000, 16),
+            (1, 4, 8, 300, 1),
+            (2, 4, 4, 777, 70),
+        ]:
             D = 128
             q = torch.randn(B, Hkv * G, D, generator=g).to(device, dtype)
             k = torch.randn(B, Hkv, N, D, generator=g).to(device, dtype)
@@ -309,7 +314,9 @@ def verify_sparse_decode(device: torch.device, g: torch.Generator) -> list[Check
             for splits in (None, 1, 5):
                 got = sparse_paged_decode_triton(q, k, v, start, length, idx, num_splits=splits)
                 err = max(_rel(got[0], want[0]), _rel(got[1], want[1]))
-                checks.append((f"sparse decode {dtype} B{B} Hkv{Hkv} G{G} N{N} page{ps} splits {splits}", err, 2e-2))
+                checks.append(
+                    (f"sparse decode {dtype} B{B} Hkv{Hkv} G{G} N{N} page{ps} splits {splits}", err, 2e-2)
+                )
     return checks
 
 
@@ -333,9 +340,15 @@ def verify_lowrank_score(device: torch.device, g: torch.Generator) -> list[Check
     case = _page_case(device, g)
     q, mu, basis, coef, plen = case
     rec = compact_page_bases(mu.float(), basis.float(), coef.float())
-    compact = _rel(page_score_lowrank_compact_triton(q, rec, plen), page_score_lowrank_compact_naive(q, rec, plen))
+    compact = _rel(
+        page_score_lowrank_compact_triton(q, rec, plen), page_score_lowrank_compact_naive(q, rec, plen)
+    )
     return [
-        ("page score LOCKS/OVAL", _rel(page_score_lowrank_triton(*case), page_score_lowrank_naive(*case)), 1e-3),
+        (
+            "page score LOCKS/OVAL",
+            _rel(page_score_lowrank_triton(*case), page_score_lowrank_naive(*case)),
+            1e-3,
+        ),
         ("page score LOCKS/OVAL compact", compact, 1e-3),
     ]
 
@@ -434,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reps", type=int, default=100, help="CUDA: ms of timed runs per row (CPU: best of 5 runs)"
     )
-    ap.add_argument("--ops", nargs="+", choices=sorted(BENCHES), default=list(BENCHES), help="the ops to check and time")
+    ap.add_argument(
+        "--ops", nargs="+", choices=sorted(BENCHES), default=list(BENCHES), help="the ops to check and time"
+    )
     ap.add_argument(
         "--no-verify", action="store_true", help="CUDA: skip checking the kernels against the references"
     )

@@ -28,7 +28,9 @@ def _model_dir(folder: str, what: str, how: str) -> Path:
     get it."""
     path = Path(str(resources.files("mm_oval.zoo") / folder))
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise ModelError(f"{what} is missing from {path} (config.json / model.safetensors); reinstall mm-oval, or {how}")
+        raise ModelError(
+            f"{what} is missing from {path} (config.json / model.safetensors); reinstall mm-oval, or {how}"
+        )
     return path
 
 
@@ -36,14 +38,18 @@ def _data_dir(folder: str, what: str, command: str) -> Path:
     """A committed dev-set folder (eval/data/FOLDER, mm_oval.eval package data), or a DataError."""
     path = Path(str(resources.files("mm_oval.eval") / "data" / folder))
     if not path.is_dir():
-        raise DataError(f"{what} are missing from {path}; reinstall mm-oval, or regenerate them with `{command}`")
+        raise DataError(
+            f"{what} are missing from {path}; reinstall mm-oval, or regenerate them with `{command}`"
+        )
     return path
 
 
 def bundled_model_path() -> Path:
     """Directory of the committed tiny LLaVA checkpoint (config, safetensors, processor files)."""
     return _model_dir(
-        "tiny_llava", "the bundled tiny LLaVA", "train it with `mm-oval zoo train --out DIR` and point --model at DIR"
+        "tiny_llava",
+        "the bundled tiny LLaVA",
+        "train it with `mm-oval zoo train --out DIR` and point --model at DIR",
     )
 
 
@@ -63,7 +69,9 @@ def bundled_data_dir() -> Path:
 
 def bundled576_data_dir() -> Path:
     """Directory of the committed 576-token dev sets (eval/data/synth576, shipped as mm_oval.eval package data)."""
-    return _data_dir("synth576", "the bundled 576-token dev sets", "mm-oval zoo generate --geometry 576 --out DIR")
+    return _data_dir(
+        "synth576", "the bundled 576-token dev sets", "mm-oval zoo generate --geometry 576 --out DIR"
+    )
 
 
 def resolve_model_path(spec: str | Path) -> str:

@@ -87,10 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t5.add_argument("--batch", type=int, default=12)
     t5.add_argument("--seed", type=int, default=0)
     t5.add_argument("--lr", type=float, default=1e-3)
-    t5.add_argument("--init-from", default=None, help="another run's vision_state.pt: a new schedule from its tower")
+    t5.add_argument(
+        "--init-from", default=None, help="another run's vision_state.pt: a new schedule from its tower"
+    )
     t5.add_argument("--stop-at", type=int, default=None, help="end after this step (rerun to resume)")
     for name, default in (("shape", 1.0), ("member-shape", 4.0), ("centre", 100.0), ("own", 100.0)):
-        t5.add_argument(f"--{name}-weight", type=float, default=default, help="vision loss weight (vision576.LossWeights)")
+        t5.add_argument(
+            f"--{name}-weight", type=float, default=default, help="vision loss weight (vision576.LossWeights)"
+        )
 
     c = sub.add_parser("check", help="grounding check of a checkpoint (its geometry read from the model)")
     c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled 64-token one)")
@@ -129,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.init_from is not None and not Path(args.init_from).is_file():
             raise ConfigError(f"--init-from {args.init_from}: no such file (give a run's vision_state.pt)")
-        weights = LossWeights(args.shape_weight, args.member_shape_weight, args.centre_weight, args.own_weight)
+        weights = LossWeights(
+            args.shape_weight, args.member_shape_weight, args.centre_weight, args.own_weight
+        )
         path = train576(
             args.out, vision_steps=args.vision_steps, batch=args.batch, seed=args.seed, lr=args.lr,
             init_from=args.init_from, weights=weights, stop_at=args.stop_at,

@@ -241,7 +241,9 @@ class BytesBudget:
     left: torch.Tensor  # (B, Hkv)
 
 
-def fill_by_score(scores: torch.Tensor, eligible: torch.Tensor, page_bytes: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+def fill_by_score(
+    scores: torch.Tensor, eligible: torch.Tensor, page_bytes: torch.Tensor, left: torch.Tensor
+) -> torch.Tensor:
     """Per row, True for the highest-scoring `eligible` pages, best first, while their bytes together fit
     `left` (the first page that does not fit ends the selection, so the pages read are always the top of
     the ranking). scores/eligible/page_bytes (..., P), left (...) -> (..., P) bool."""

@@ -180,7 +180,9 @@ def format_table(
     """One row per method, a column per task (the score, and its share of the full cache's); with `seconds`,
     a last column with the seconds each method's runs took (prefill, compression and decoding together)."""
     seconds = seconds or {}
-    head = "| method | " + " | ".join(get_task(t).metric_label for t in tasks) + (" | s |" if seconds else " |")
+    head = (
+        "| method | " + " | ".join(get_task(t).metric_label for t in tasks) + (" | s |" if seconds else " |")
+    )
     lines = [head, "|" + "---|" * (len(tasks) + 1 + bool(seconds))]
     full = table.get("full", {})
     for name, row in table.items():

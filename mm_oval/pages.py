@@ -202,7 +202,9 @@ def dynamic_labels(
     B, H, N = keep.shape
     if H > head_chunk:
         parts = [
-            dynamic_labels(keys[:, h : h + head_chunk], keep[:, h : h + head_chunk], modality, image_rc, sizing)
+            dynamic_labels(
+                keys[:, h : h + head_chunk], keep[:, h : h + head_chunk], modality, image_rc, sizing
+            )
             for h in range(0, H, head_chunk)
         ]
         return torch.cat([p[0] for p in parts], 1), parts[0][1]

@@ -82,7 +82,9 @@ _CONFIG_KEYS = ("method", "budget", "text_budget", "eviction_scope", "retrieval"
 _BYTES_PARTS = ("summaries", "selected", "always_read", "read", "dense")
 
 
-def to_prometheus(stats: dict[str, Any], labels: dict[str, str] | None = None, prefix: str = "mm_oval") -> str:
+def to_prometheus(
+    stats: dict[str, Any], labels: dict[str, str] | None = None, prefix: str = "mm_oval"
+) -> str:
     """`stats` (what `get_stats` returns) in the Prometheus text exposition format, through
     `prometheus_client`, for a scrape endpoint or node_exporter's textfile collector. Every metric is a
     gauge of the last request, carrying `labels` (e.g. {"model": "llava-1.5-7b", "rank": "0"}); figures the
@@ -122,7 +124,11 @@ def to_prometheus(stats: dict[str, Any], labels: dict[str, str] | None = None, p
     put("kv_fraction_kept", kept, stats.get("image_kv_fraction_kept"), modality="image")
     for kind, value in stats["allocated_bytes"].items():
         put("allocated_bytes", "bytes the cache and the method hold, by kind", value, kind=kind)
-    put("plain_cache_bytes", "what a plain DynamicCache holds for the same request", stats.get("plain_cache_bytes"))
+    put(
+        "plain_cache_bytes",
+        "what a plain DynamicCache holds for the same request",
+        stats.get("plain_cache_bytes"),
+    )
     put("allocated_vs_plain", "allocated bytes over the plain cache's", stats.get("allocated_vs_plain"))
     put("prefill_seconds", "prefill time, vision tower included", stats.get("prefill_s"))
     put("decode_seconds", "decode time, all steps", stats.get("decode_s"))
@@ -153,10 +159,20 @@ def to_prometheus(stats: dict[str, Any], labels: dict[str, str] | None = None, p
             mon.get("page_utilisation"))  # fmt: skip
         put("retrieval_co_read_density", "page pairs read together within 8 steps, share of candidate pairs",
             mon.get("co_read_density"))  # fmt: skip
-        put("retrieval_pages_selected", "pages the retrieval selected, all steps and layers", mon.get("pages_selected"))
+        put(
+            "retrieval_pages_selected",
+            "pages the retrieval selected, all steps and layers",
+            mon.get("pages_selected"),
+        )
         doc = "time of the retrieval's page selection: one layer's call, or a decode step's (all layers)"
         for per, key in (("layer", "select_ms"), ("step", "step_select_ms")):
             for quantile, p in (("0.5", "p50"), ("0.99", "p99")):
                 v = mon.get(f"{key}_{p}")
-                put("retrieval_select_seconds", doc, None if v is None else v / 1e3, per=per, quantile=quantile)
+                put(
+                    "retrieval_select_seconds",
+                    doc,
+                    None if v is None else v / 1e3,
+                    per=per,
+                    quantile=quantile,
+                )
     return generate_latest(registry).decode("utf-8")

@@ -21,6 +21,8 @@ def test_bench_memory_writes_kv_summary_and_peak_bytes_per_configuration(tmp_pat
     rows = {r["config"]: r for r in d["rows"]}
     assert set(rows) == {"dense", "quest", "oval"}
     assert all(r["error"] is None and r["kv_bytes"] > 0 and r["peak_mib"] > 0 for r in rows.values())
-    assert rows["dense"]["summary_bytes"] == 0 < rows["quest"]["summary_bytes"] < rows["oval"]["summary_bytes"]
+    assert (
+        rows["dense"]["summary_bytes"] == 0 < rows["quest"]["summary_bytes"] < rows["oval"]["summary_bytes"]
+    )
     assert d["layer_kv_bytes"] > 0 and "peak_over_dense_mib" in rows["oval"]
     assert "one layer's full KV" in proc.stdout

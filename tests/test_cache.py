@@ -131,7 +131,12 @@ def test_scope_all_ranks_every_token_together_at_the_same_total_count():
         scores,
         info,
         OvalConfig(
-            method="random", budget=0.25, text_budget=0.5, eviction_scope="all", sink_tokens=0, recent_tokens=0
+            method="random",
+            budget=0.25,
+            text_budget=0.5,
+            eviction_scope="all",
+            sink_tokens=0,
+            recent_tokens=0,
         ),
     )
     assert (per_mod.sum(-1) == blind.sum(-1)).all()
@@ -373,7 +378,12 @@ def test_from_spec_parses_method_options_and_config_fields():
     cfg = OvalConfig.from_spec(
         "snapkv:window=16,kernel=7,pooling=maxpool,eviction_scope=all,text_budget=0.5", budget=0.25
     )
-    assert cfg.method == "snapkv" and cfg.budget == 0.25 and cfg.eviction_scope == "all" and cfg.text_budget == 0.5
+    assert (
+        cfg.method == "snapkv"
+        and cfg.budget == 0.25
+        and cfg.eviction_scope == "all"
+        and cfg.text_budget == 0.5
+    )
     assert cfg.method_options == {"window": 16, "kernel": 7, "pooling": "maxpool"}
     assert OvalConfig.from_spec("full").method == "full"
     assert OvalConfig.from_spec("tova:per_head=false", 64).method_options == {"per_head": False}
@@ -417,7 +427,13 @@ def test_the_kernel_decode_path_equals_the_sdpa_path(model_and_processor, read_b
     model, processor = model_and_processor
     inputs = _inputs(processor)
     mm_oval.wrap(
-        model, method="h2o", budget=0.5, retrieval="quest", read_budget=read_budget, text_page_size=4, **sizing
+        model,
+        method="h2o",
+        budget=0.5,
+        retrieval="quest",
+        read_budget=read_budget,
+        text_page_size=4,
+        **sizing,
     )
     cache = prefill(model, **inputs)
     for layer in cache.layers:
@@ -433,7 +449,9 @@ def test_the_kernel_decode_path_equals_the_sdpa_path(model_and_processor, read_b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(model_and_processor, monkeypatch, dtype):
+def test_a_sparse_step_off_the_kernel_path_attends_over_the_gathered_slots(
+    model_and_processor, monkeypatch, dtype
+):
     """Off the kernel path, a decode step that reads a small share of the cache attends over the slots it
     reads gathered (what makes it cheaper than dense on CPU), and gets what SDPA over every slot with the
     per-head mask gets; a step that reads most of the cache (here: all of it) keeps the masked SDPA."""
@@ -519,11 +537,15 @@ def test_the_gathered_pages_give_the_masked_attention_whatever_pages_are_read(
             layer.update(torch.randn(B, H, 1, D, dtype=dtype), torch.randn(B, H, 1, D, dtype=dtype))
         cache.step.new_valid = None
         assert layer.keys.shape[2] == layer.store.cap and not layer.slot_valid.all()
-        assert torch.equal(layer.telemetry.head_resident, layer.slot_valid.sum(-1))  # what a bytes budget divides
-        last = int((layer.page_len[-1, -1] > 0).nonzero().max())  # the last head's last page: the storage's end
+        assert torch.equal(
+            layer.telemetry.head_resident, layer.slot_valid.sum(-1)
+        )  # what a bytes budget divides
+        last = int(
+            (layer.page_len[-1, -1] > 0).nonzero().max()
+        )  # the last head's last page: the storage's end
         assert int(layer.page_start[-1, -1, last] + layer.page_len[-1, -1, last]) == layer.store.cap
         for i in range(4):
-            pages = (torch.rand(layer.page_len.shape, generator=g) < torch.rand(B, H, 1, generator=g))
+            pages = torch.rand(layer.page_len.shape, generator=g) < torch.rand(B, H, 1, generator=g)
             pages[..., 0] = True  # every head reads a valid slot
             pages[-1, -1, last] = True
             pages &= layer.page_len > 0

@@ -168,7 +168,10 @@ def test_a_changed_default_under_the_same_method_spec_is_refused(loaded, data, t
     first = evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
     ident = json.loads((out / "run.json").read_text())["identity"]
     assert ident["resolved"]["retrieval_options"]["rank"] == 8 and ident["resolved"]["read_budget"] == 0.5
-    assert ident["resolved"]["image_tile"] == 4 and ident["resolved"]["retrieval_options"]["summary_format"] == "compact"
+    assert (
+        ident["resolved"]["image_tile"] == 4
+        and ident["resolved"]["retrieval_options"]["summary_format"] == "compact"
+    )
     again = evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
     assert again["run"]["new_items"] == 0 and again["primary"] == first["primary"]
 

@@ -156,7 +156,9 @@ def test_vqav2_question_and_answer_types_must_be_strings(tmp_path):
         VQAv2Task().load(tmp_path)
     del anns["annotations"][1]["answer_type"]  # absent: scored, left out of perAnswerType
     (tmp_path / "v2_annotations.json").write_text(json.dumps(anns))
-    (tmp_path / "preds.json").write_text(json.dumps([{"question_id": 100 + i, "answer": "no"} for i in range(2)]))
+    (tmp_path / "preds.json").write_text(
+        json.dumps([{"question_id": 100 + i, "answer": "no"} for i in range(2)])
+    )
     s = score_file("vqav2", tmp_path, tmp_path / "preds.json")["scores"]
     assert s["num_questions"] == 2
 
@@ -218,7 +220,11 @@ def test_a_pope_answers_error_names_the_files_own_line(tmp_path):
     # blank lines count: the error names the line an editor shows, as the data file's errors do
     rows = [{"question_id": i, "image": "a.jpg", "text": "Is there a dog?", "label": "yes"} for i in (1, 2)]
     (tmp_path / "coco_pope_random.json").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    text = json.dumps({"question_id": 1, "category": "random", "text": "No"}) + "\n\n" + json.dumps({"question_id": 2})
+    text = (
+        json.dumps({"question_id": 1, "category": "random", "text": "No"})
+        + "\n\n"
+        + json.dumps({"question_id": 2})
+    )
     (tmp_path / "answers.jsonl").write_text(text + "\n")
     with pytest.raises(DataError, match='answers.jsonl, line 3: needs "question_id" and "text"'):
         score_file("pope", tmp_path, tmp_path / "answers.jsonl")

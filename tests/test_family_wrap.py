@@ -214,7 +214,9 @@ def test_chat_maps_kept_patches_and_page_reads_on_each_images_own_grids(family):
         assert k.shape[-2:] == (r, c)
     total = sum(r * c for r, c in shapes)
     per_head = sum(k[0].flatten(1).sum(1) for k in kept)  # layer 0, each KV head
-    assert (per_head == budget_count(0.5, torch.tensor(total))).all()  # half of every grid's patches, per head
+    assert (
+        per_head == budget_count(0.5, torch.tensor(total))
+    ).all()  # half of every grid's patches, per head
     with pytest.raises(ConfigError, match="out of range"):
         chat.kept_image_tokens(len(shapes))
     with pytest.raises(ConfigError, match="chat.grids"):
@@ -225,4 +227,3 @@ def test_chat_maps_kept_patches_and_page_reads_on_each_images_own_grids(family):
     reads = [reader.page_reads(g) for g in range(len(reader.grids()))]
     assert all(r.shape[-2:] == s for r, s in zip(reads, reader.grids()))
     assert all(((r >= 0) & (r <= 1)).all() for r in reads) and any((r > 0).any() for r in reads)
-

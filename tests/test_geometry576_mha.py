@@ -29,7 +29,9 @@ def test_eviction_keeps_the_budget_of_each_kv_head_on_the_24x24_grid(mha):
     model, processor = mha
     assert model.config.text_config.num_key_value_heads == model.config.text_config.num_attention_heads
     image = make_scene(random.Random(0)).render()
-    chat = Chat(model, processor, image, method="snapkv:sink_tokens=3,recent_tokens=0", budget=0.25, max_new_tokens=3)
+    chat = Chat(
+        model, processor, image, method="snapkv:sink_tokens=3,recent_tokens=0", budget=0.25, max_new_tokens=3
+    )
     chat.ask("what color is the circle ?")
     kept = chat.kept_image_tokens()
     assert kept.shape == (2, 4, 24, 24)

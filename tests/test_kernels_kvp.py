@@ -91,7 +91,9 @@ def test_naive_is_the_agents_module(features, shared):
     for fn in (kvp_score_naive, kvp_score_triton):
         torch.testing.assert_close(fn(keys, values, positions, w, extra)[live], want.detach()[live])
     with torch.no_grad():  # without gradients the module scores through the dispatcher
-        torch.testing.assert_close(agents.score_layer(1, keys, values, positions, modality, rc), want.detach())
+        torch.testing.assert_close(
+            agents.score_layer(1, keys, values, positions, modality, rc), want.detach()
+        )
 
 
 @pytest.mark.parametrize("name", sorted(BUNDLED_AGENTS))
@@ -127,7 +129,9 @@ def test_agents_for_another_shape_or_without_their_features_are_refused():
     with pytest.raises(ConfigError, match="agents are for 2 heads of dim 16"):
         kvp_score(torch.zeros(1, 3, 4, 16), torch.zeros(1, 3, 4, 16), torch.zeros(1, 4), w)
     with pytest.raises(ConfigError, match="read no extra features"):
-        kvp_score(torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), torch.zeros(1, 4), w, torch.zeros(1, 4, 3))
+        kvp_score(
+            torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), torch.zeros(1, 4), w, torch.zeros(1, 4, 3)
+        )
     wx = KVPWeights.random(2, 16, 16, 8, 10, 16, extra=6)
     with pytest.raises(ConfigError, match="read 6 extra features per token"):
         kvp_score(torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), torch.zeros(1, 4), wx)

@@ -86,7 +86,10 @@ def test_gqa_combination_is_the_group_average_of_page_softmaxes():
 def test_a_head_without_pages_scores_minus_inf_everywhere():
     lengths = torch.tensor([[[3, 2, 0], [0, 0, 0]]])
     q, mu, basis, coef, lengths, _ = summaries(1, 2, 4, 16, 3, 4, 2, seed=5, lengths=lengths)
-    for got in (page_score_lowrank_triton(q, mu, basis, coef, lengths), page_score_lowrank_naive(q, mu, basis, coef, lengths)):
+    for got in (
+        page_score_lowrank_triton(q, mu, basis, coef, lengths),
+        page_score_lowrank_naive(q, mu, basis, coef, lengths),
+    ):
         assert torch.all(got[0, 1] == float("-inf")) and torch.isfinite(got[0, 0, :2]).all()
 
 
@@ -113,7 +116,9 @@ def test_mismatched_summaries_are_config_errors():
     "B, Hkv, G, D, P, T, R",
     [(1, 2, 1, 64, 6, 16, 8), (2, 1, 4, 128, 5, 32, 8), (1, 2, 2, 33, 9, 4, 3), (1, 1, 1, 128, 70, 16, 8)],
 )
-def test_the_compact_kernel_reads_the_record_as_stored_and_scores_what_the_reference_scores(B, Hkv, G, D, P, T, R):
+def test_the_compact_kernel_reads_the_record_as_stored_and_scores_what_the_reference_scores(
+    B, Hkv, G, D, P, T, R
+):
     """The fused kernel unpacks the int4 basis (two rows a byte, odd D included), the int8 centroid and
     coefficients and their scales in registers and gives the reference's scores (which unpacks to fp32)."""
     from mm_oval.kernels import page_score_lowrank_compact
@@ -127,11 +132,15 @@ def test_the_compact_kernel_reads_the_record_as_stored_and_scores_what_the_refer
     assert torch.equal(torch.isinf(got), lengths == 0) and torch.equal(torch.isinf(want), lengths == 0)
     f = lengths > 0
     torch.testing.assert_close(got[f], want[f], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(page_score_lowrank_compact(q, rec, lengths, 0.2)[f], want[f], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        page_score_lowrank_compact(q, rec, lengths, 0.2)[f], want[f], rtol=1e-4, atol=1e-4
+    )
     # a swapped nibble order would score other pages: the test can tell
     bad = dict(rec, basis_q=(rec["basis_q"] >> 4) | (rec["basis_q"] << 4))
     if D > 2 * R:
-        assert not torch.allclose(page_score_lowrank_compact_triton(q, bad, lengths, 0.2)[f], want[f], atol=1e-3)
+        assert not torch.allclose(
+            page_score_lowrank_compact_triton(q, bad, lengths, 0.2)[f], want[f], atol=1e-3
+        )
 
 
 def test_a_compact_record_with_a_missing_part_is_a_config_error():

@@ -59,7 +59,10 @@ def test_quest_bound_is_an_upper_bound_of_every_key_score():
 def test_a_head_without_pages_scores_minus_inf_everywhere():
     lengths = torch.tensor([[[3, 2, 0], [0, 0, 0]]])
     q, kmin, kmax, lengths, _ = page_summaries(1, 2, 4, 16, 3, 4, seed=5, lengths=lengths)
-    for got in (page_score_quest_triton(q, kmin, kmax, lengths), page_score_quest_naive(q, kmin, kmax, lengths)):
+    for got in (
+        page_score_quest_triton(q, kmin, kmax, lengths),
+        page_score_quest_naive(q, kmin, kmax, lengths),
+    ):
         assert torch.all(got[0, 1] == float("-inf")) and torch.isfinite(got[0, 0, :2]).all()
         torch.testing.assert_close(got[0, 0].exp().sum(), torch.tensor(1.0))
 
@@ -93,7 +96,9 @@ def test_a_page_scale_scores_the_scaled_bounds(backend, monkeypatch):
     s = torch.maximum(kmin.abs(), kmax.abs()).amax(-1).clamp_min(1e-3) / 100  # levels within int8
     lo, hi = torch.floor(kmin / s[..., None]), torch.ceil(kmax / s[..., None])
     got = page_score_quest(q, lo.to(torch.int8), hi.to(torch.int8), lengths, 0.2, s.half())
-    want = page_score_quest(q, lo * s.half().float()[..., None], hi * s.half().float()[..., None], lengths, 0.2)
+    want = page_score_quest(
+        q, lo * s.half().float()[..., None], hi * s.half().float()[..., None], lengths, 0.2
+    )
     f = lengths > 0
     torch.testing.assert_close(got[f], want[f], rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.isinf(got), ~f)

@@ -106,7 +106,10 @@ def test_the_576_token_agents_load_for_their_model_and_beat_every_baseline(tmp_p
 
     model, processor = load_model("bundled576")
     pol = KVPPolicy(agents="bundled576-image", model=model)
-    assert pol.loaded.training["compress"] == "image" and (pol.agents.config.sinks, pol.agents.config.recent) == (3, 0)
+    assert pol.loaded.training["compress"] == "image" and (
+        pol.agents.config.sinks,
+        pol.agents.config.recent,
+    ) == (3, 0)
     small, _ = load_model("bundled")
     with pytest.raises(ModelError):
         KVPPolicy(agents="bundled576-image", model=small)
@@ -168,7 +171,9 @@ def test_the_576_token_joint_heads_agents_rank_on_one_scale_and_are_used_with_a_
     assert pol.agents.config.joint_heads and pol.comparable_across_heads
     assert (pol.selection.redundancy, pol.selection.sigma) == (4.0, 3.0)
     assert pol.loaded.training["compress"] == "image"
-    mm_oval.wrap(model, method="kvp", method_options={"agents": "bundled576-image-joint"}, head_budget="shared")
+    mm_oval.wrap(
+        model, method="kvp", method_options={"agents": "bundled576-image-joint"}, head_budget="shared"
+    )
     mm_oval.unwrap(model)
     with pytest.raises(ConfigError):
         mm_oval.wrap(model, method="kvp", method_options={"agents": "bundled576-image"}, head_budget="shared")

@@ -115,7 +115,9 @@ def test_batched_rows_of_different_lengths_match_one_by_one():
 
 
 def test_the_policy_reads_the_selection_from_the_agents_config(tmp_path):
-    agents = KVPAgents(KVPAgentConfig(num_layers=1, num_kv_heads=1, head_dim=16, proj=8, hidden=8, pos_table=64))
+    agents = KVPAgents(
+        KVPAgentConfig(num_layers=1, num_kv_heads=1, head_dim=16, proj=8, hidden=8, pos_table=64)
+    )
     save_agents(agents, tmp_path, {})
     assert not KVPPolicy(agents=tmp_path).selection.active
     cfg = json.loads((tmp_path / "kvp_config.json").read_text())
@@ -146,7 +148,9 @@ def test_a_row_with_fewer_image_tokens_keeps_its_order_when_the_first_token_is_a
     sel = RedundancySelection(redundancy=3.0)
     out = redundancy_scores(s, k, m, rc, sel)
     alone = redundancy_scores(*a[:4], sel)
-    assert torch.equal(out[0, 0, : a[0].shape[-1]].argsort(descending=True), alone[0, 0].argsort(descending=True))
+    assert torch.equal(
+        out[0, 0, : a[0].shape[-1]].argsort(descending=True), alone[0, 0].argsort(descending=True)
+    )
 
 
 @pytest.mark.parametrize("k", [1, 7, 29, 64])
@@ -192,7 +196,10 @@ def test_the_cache_stops_the_walk_at_the_budget_and_keeps_the_same_tokens(budget
 
     model, processor = load_model("bundled")
     g = torch.Generator().manual_seed(0)
-    imgs = [Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy()) for _ in range(2)]
+    imgs = [
+        Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
+        for _ in range(2)
+    ]
     inputs = processor(
         images=imgs, text=["USER: <image>\nwhat color is the circle ? ASSISTANT:"] * 2, return_tensors="pt"
     )

@@ -70,7 +70,9 @@ def test_eval_and_kernels_import_the_project_absolutely_and_relatively_only_with
 
 
 def _is_sys_path(node: ast.AST) -> bool:
-    return isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys"
+    return (
+        isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys"
+    )
 
 
 MUTATORS = {"insert", "append", "extend", "remove", "pop", "clear", "__setitem__", "__delitem__"}
@@ -86,7 +88,9 @@ def test_no_module_edits_sys_path():
                 targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             mutated = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             mutated = mutated and node.func.attr in MUTATORS and _is_sys_path(node.func.value)
-            assigned = any(_is_sys_path(t) or (isinstance(t, ast.Subscript) and _is_sys_path(t.value)) for t in targets)
+            assigned = any(
+                _is_sys_path(t) or (isinstance(t, ast.Subscript) and _is_sys_path(t.value)) for t in targets
+            )
             if mutated or assigned:
                 edits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not edits, f"sys.path is touched at {edits}"

@@ -150,7 +150,12 @@ def test_bad_model_args_are_project_errors():
         'pretrained=bundled,method="snapkv:window=4,text_budget=0.5",budget=0.25,device=cpu'
     )
     cfg = wrap_info(lm.model).config
-    assert (cfg.method, cfg.budget, cfg.text_budget, cfg.method_options) == ("snapkv", 0.25, 0.5, {"window": 4})
+    assert (cfg.method, cfg.budget, cfg.text_budget, cfg.method_options) == (
+        "snapkv",
+        0.25,
+        0.5,
+        {"window": 4},
+    )
 
 
 def _free_port() -> int:

@@ -66,7 +66,12 @@ def test_oval_on_top_of_eviction_reads_its_share_of_the_kept_image_pages(tiny_ra
     inputs = _inputs(processor)
     # 2x2 tiles: the tiny model's 8x8 grid has 4 tiles of 4x4, too few to read a share of after eviction
     cfg = OvalConfig(
-        method="snapkv", budget=0.5, retrieval="oval", read_budget=0.5, retrieval_options={"rank": 2}, image_tile=2
+        method="snapkv",
+        budget=0.5,
+        retrieval="oval",
+        read_budget=0.5,
+        retrieval_options={"rank": 2},
+        image_tile=2,
     )
     wrapped = mm_oval.wrap(model, cfg)
     try:

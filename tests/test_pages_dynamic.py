@@ -70,7 +70,10 @@ def test_pages_are_cut_around_an_object_and_kept_whole_over_background():
     object_pages = [p for p, toks in pages0.items() if set(toks) <= set(obj)]
     assert sum(len(pages0[p]) for p in object_pages) == 4
     # the right half of the grid holds no object: its 4x4 tiles stay whole
-    assert sorted(len(t) for t in pages0.values() if all((i - N_TEXT_HEAD) % GRID >= 4 for i in t)) == [16, 16]
+    assert sorted(len(t) for t in pages0.values() if all((i - N_TEXT_HEAD) % GRID >= 4 for i in t)) == [
+        16,
+        16,
+    ]
     # the other head's pages do not follow head 0's keys
     img1 = lay.page_len[0, 1][lay.page_kind[0, 1] == IMAGE]
     assert sorted(img1.tolist()) == [16, 16, 16, 16]
@@ -120,7 +123,9 @@ def test_dynamic_pages_partition_the_kept_tokens_into_nested_tiles(
                         for th, tw in levels
                     )
                     if split == 0.0 and mean_tokens == 1 and len(toks) > 1:  # only equal keys share a page
-                        assert len({tuple(keys[b, h, t].tolist()) for t in toks}) == 1 or len(toks) <= min_tokens
+                        assert (
+                            len({tuple(keys[b, h, t].tolist()) for t in toks}) == 1 or len(toks) <= min_tokens
+                        )
                 else:
                     assert not any(N_TEXT_HEAD <= t < N_TEXT_HEAD + GRID * GRID for t in toks)
 
@@ -137,8 +142,14 @@ def test_levels_nest_from_the_largest_tile():
         ({"retrieval": "quest", "page_split": 0.5}, ["page_split=0.5", "page_sizing='fixed'"]),
         ({"retrieval": "quest", "page_sizing": "adaptive"}, ["page_sizing='adaptive'", "fixed", "dynamic"]),
         ({"retrieval": "quest", "page_sizing": "dynamic", "image_tile": 2}, ["image_tile=2", "dynamic"]),
-        ({"retrieval": "quest", "page_sizing": "dynamic", "max_page_tokens": 24}, ["max_page_tokens", "power of two"]),
-        ({"retrieval": "quest", "page_sizing": "dynamic", "min_page_tokens": 16, "max_page_tokens": 8}, ["min_page_tokens=16"]),
+        (
+            {"retrieval": "quest", "page_sizing": "dynamic", "max_page_tokens": 24},
+            ["max_page_tokens", "power of two"],
+        ),
+        (
+            {"retrieval": "quest", "page_sizing": "dynamic", "min_page_tokens": 16, "max_page_tokens": 8},
+            ["min_page_tokens=16"],
+        ),
         ({"retrieval": "quest", "page_sizing": "dynamic", "page_split": -1}, ["page_split", ">= 0"]),
         ({"page_sizing": "dynamic"}, ["page_sizing='dynamic'", "retrieval"]),
     ],

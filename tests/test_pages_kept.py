@@ -90,7 +90,9 @@ def test_evicted_images_make_full_pages_of_one_image_each(seed, share, tile):
         for img in (0, 1):
             kept_img = int((keep[0, h] & (rc[0, :, 0] == img)).sum())
             n_pages = sum(
-                1 for toks in pages.values() if int(mod[0, toks[0]]) == IMAGE and int(rc[0, toks[0], 0]) == img
+                1
+                for toks in pages.values()
+                if int(mod[0, toks[0]]) == IMAGE and int(rc[0, toks[0], 0]) == img
             )
             assert n_pages == -(-kept_img // run)
 

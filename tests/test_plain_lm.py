@@ -17,6 +17,7 @@ from mm_oval.stats import get_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
 def _batch():
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(5, 300, (2, 120), generator=g)

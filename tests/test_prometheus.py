@@ -34,11 +34,18 @@ def test_a_retrieval_requests_figures_are_exported_with_the_callers_labels(tiny_
         return got[(name, tuple(sorted((*me, *labels.items()))))]
 
     assert value("mm_oval_allocated_bytes", kind="total") == stats["allocated_bytes"]["total"]
-    assert value("mm_oval_kv_fraction_kept", modality="image") == pytest.approx(stats["image_kv_fraction_kept"])
+    assert value("mm_oval_kv_fraction_kept", modality="image") == pytest.approx(
+        stats["image_kv_fraction_kept"]
+    )
     assert value("mm_oval_decode_steps") == stats["decode_steps"] >= 3
     br = stats["bytes_read"]
-    assert value("mm_oval_bytes_read", part="dense", modality="image", per="request") == br["total"]["image"]["dense"]
-    assert value("mm_oval_bytes_read", part="read", modality="all", per="step") == pytest.approx(br["per_step"]["read"])
+    assert (
+        value("mm_oval_bytes_read", part="dense", modality="image", per="request")
+        == br["total"]["image"]["dense"]
+    )
+    assert value("mm_oval_bytes_read", part="read", modality="all", per="step") == pytest.approx(
+        br["per_step"]["read"]
+    )
     assert value("mm_oval_read_vs_dense", modality="all") == pytest.approx(br["read_vs_dense"])
     assert value("mm_oval_page_read_fraction") == pytest.approx(stats["page_read_fraction"])
     info = value("mm_oval_config_info", method="snapkv", budget="0.25", retrieval="quest", read_budget="0.25",

@@ -32,7 +32,9 @@ class RandomPages(RetrievalPolicy):
 
 
 def _generate(model, processor, llava_batch, policy=None, n=12, **cfg):
-    wrapped = mm_oval.wrap(model, OvalConfig(**cfg), retrieval_policy=policy)  # policy None: the configured one
+    wrapped = mm_oval.wrap(
+        model, OvalConfig(**cfg), retrieval_policy=policy
+    )  # policy None: the configured one
     try:
         wrapped.generate(**llava_batch(TEXTS), max_new_tokens=n, min_new_tokens=n, do_sample=False)
         return get_stats(wrapped)
@@ -47,7 +49,13 @@ def test_reading_every_page_hits_every_true_top_page_and_recalls_all_the_mass(
     model, processor = tiny_random_llava
     # 2x2 tiles: several candidate pages per head on the tiny model's 8x8 grid, so pairs of them exist
     s = _generate(
-        model, processor, llava_batch, retrieval=retrieval, read_budget=1.0, monitor_retrieval=True, image_tile=2
+        model,
+        processor,
+        llava_batch,
+        retrieval=retrieval,
+        read_budget=1.0,
+        monitor_retrieval=True,
+        image_tile=2,
     )
     m = s["retrieval_monitor"]
     assert m["hit_rate"] == pytest.approx(1.0)
@@ -61,11 +69,19 @@ def test_reading_every_page_hits_every_true_top_page_and_recalls_all_the_mass(
     assert m["select_ms_p50"] <= m["step_select_ms_p50"] <= m["step_select_ms_p99"]
 
 
-def test_a_partial_read_budget_recalls_less_and_the_block_is_absent_when_not_asked(tiny_random_llava, llava_batch):
+def test_a_partial_read_budget_recalls_less_and_the_block_is_absent_when_not_asked(
+    tiny_random_llava, llava_batch
+):
     model, processor = tiny_random_llava
     # 2x2 tiles (as below): the tiny model's 8x8 grid has one 4x4 page that sinks and recent tokens leave free
     m = _generate(
-        model, processor, llava_batch, retrieval="quest", read_budget=0.25, monitor_retrieval=True, image_tile=2
+        model,
+        processor,
+        llava_batch,
+        retrieval="quest",
+        read_budget=0.25,
+        monitor_retrieval=True,
+        image_tile=2,
     )
     exported = to_prometheus(m)
     m = m["retrieval_monitor"]
@@ -117,7 +133,9 @@ def test_random_picks_on_random_keys_hit_k_over_p_and_the_true_top_pages_hit_one
     mon.record(0, 0, 1e-3, query, keys, valid, slot_page, 0.25, cand, rand, rand)
     assert mon.summary()["hit_rate"] == pytest.approx(k / P, abs=0.05)  # 256 head-rows: sd ~0.014
     # the true top pages (log mass averaged over the group as distributions), picked as a policy would
-    log_mass = exact_page_log_mass(query, keys.view(B, H, P, T, D), torch.ones(B, H, P, T, dtype=torch.bool), 0.25)
+    log_mass = exact_page_log_mass(
+        query, keys.view(B, H, P, T, D), torch.ones(B, H, P, T, dtype=torch.bool), 0.25
+    )
     share = torch.softmax(log_mass, -1).view(B, H, G, P).mean(2)
     best = topk_mask(share, cand, torch.full((B, H), k))
     mon = RetrievalMonitor()
@@ -157,7 +175,9 @@ def test_quest_on_keys_where_one_page_holds_the_mass_hits_it():
 
 def test_the_prometheus_text_carries_the_monitors_gauges(tiny_random_llava, llava_batch):
     model, processor = tiny_random_llava
-    s = _generate(model, processor, llava_batch, n=3, retrieval="quest", read_budget=0.5, monitor_retrieval=True)
+    s = _generate(
+        model, processor, llava_batch, n=3, retrieval="quest", read_budget=0.5, monitor_retrieval=True
+    )
     text = to_prometheus(s, labels={"model": "tiny"})
     m = s["retrieval_monitor"]
     assert f'mm_oval_retrieval_hit_rate{{model="tiny"}} {m["hit_rate"]!r}' in text

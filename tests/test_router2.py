@@ -68,7 +68,9 @@ def _run(model, inputs, name, options, new_tokens=5, **budget):
 
     policy.select = select
     try:
-        out = wrapped.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        out = wrapped.generate(
+            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+        )
         read = get_stats(wrapped)["bytes_read"]["per_step"]
     finally:
         model = mm_oval.unwrap(wrapped)
@@ -91,7 +93,9 @@ def test_an_untrained_router2_selects_exactly_what_its_base_scorer_selects(tiny_
     for prompt in prompts:
         inputs = _inputs(processor, prompt)
         model, out_b, seen_b, _, _ = _run(model, inputs, base, {}, **budget)
-        model, out_r, seen_r, _, _ = _run(model, inputs, "router2", {"net": net, "skip_zero": False}, **budget)
+        model, out_r, seen_r, _, _ = _run(
+            model, inputs, "router2", {"net": net, "skip_zero": False}, **budget
+        )
         assert torch.equal(out_b, out_r)
         assert len(seen_b) == len(seen_r) > 0
         assert all(torch.equal(a, b) for a, b in zip(seen_b, seen_r))
@@ -149,7 +153,9 @@ def test_training_on_captured_attention_lowers_the_loss(tiny_random_llava, tmp_p
     assert torch.allclose(s.mass.sum(-1) <= 1 + 1e-5, torch.tensor(True))
     save_router2_capture(samples, tmp_path / "cap.safetensors")
     again = load_router2_capture(tmp_path / "cap.safetensors")
-    assert all(torch.equal(a.base, b.base) and torch.equal(a.content, b.content) for a, b in zip(samples, again))
+    assert all(
+        torch.equal(a.base, b.base) and torch.equal(a.content, b.content) for a, b in zip(samples, again)
+    )
     net = new_router2(model)
     pca_page_init2(net, samples)
     before = evaluate_router2(net, samples, 0.25)
@@ -353,7 +359,9 @@ def test_over_a_compact_base_the_router_record_is_int8_and_scores_what_the_float
     bounds = torch.zeros(1, 2, 3, 32, dtype=torch.int8)
     base = {"kmin_q": bounds, "kmax_q": bounds, "bound_scale": torch.zeros(1, 2, 3, dtype=torch.float16)}
     record = {"r2_emb_q": torch.zeros(1, 2, 3, 16, dtype=torch.int8), "r2_emb_scale": torch.zeros(1, 2, 3)}
-    assert torch.equal(quest.summary_bytes(base | record, page_len), quest.base.summary_bytes(base, page_len) + 18)
+    assert torch.equal(
+        quest.summary_bytes(base | record, page_len), quest.base.summary_bytes(base, page_len) + 18
+    )
     with pytest.raises(ConfigError, match="record_format must be"):
         Router2Retrieval(weights="none", record_format="int4")
 
@@ -363,7 +371,9 @@ def test_below_min_read_pages_a_head_reads_what_its_base_chooses():
     small = Router2Net(Router2Config(hidden_size=24, num_layers=1, num_kv_heads=2, route_dim=8))
     _randomise_correction(small, seed=5)
     kmin = torch.randn(1, 2, 6, 16)
-    ctx = _ctx(torch.randn(1, 4, 1, 16), {"kmin": kmin, "kmax": kmin + 1.0, "r2_emb": torch.randn(1, 2, 6, 8)})
+    ctx = _ctx(
+        torch.randn(1, 4, 1, 16), {"kmin": kmin, "kmax": kmin + 1.0, "r2_emb": torch.randn(1, 2, 6, 8)}
+    )
     base = select_by_score(Router2Retrieval(weights="none").score_pages(ctx), ctx.candidates, 0.5)
     gated = {}
     for floor in (1, 3, 4):

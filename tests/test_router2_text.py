@@ -40,7 +40,9 @@ def test_text_capture_makes_every_unpinned_page_a_candidate_with_context_content
         # pages wholly after the context (the question) pool no content: the wrapper keeps the embeddings of
         # the request's first forward (the context) only
         first_question_page = -(-head.shape[1] // 16)
-        assert bool((s.content[first_question_page:] == 0).all()) and bool(s.content[:first_question_page].any())
+        assert bool((s.content[first_question_page:] == 0).all()) and bool(
+            s.content[:first_question_page].any()
+        )
         L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
         assert s.mass.shape[1:] == (L, H, s.content.shape[0]) and bool((s.mass.sum(-1) <= 1 + 1e-5).all())
     net = new_router2(model, base="oval", base_options={"rank": 2})
@@ -53,7 +55,9 @@ def prompt_item(prompt):
     return type("Item", (), {"context": prompt.context, "prompt": prompt.text})()
 
 
-def test_a_router2_on_a_plain_lm_pools_the_context_token_embeddings_at_serve_time(tiny_lm, byte_tokenizer, tmp_path):
+def test_a_router2_on_a_plain_lm_pools_the_context_token_embeddings_at_serve_time(
+    tiny_lm, byte_tokenizer, tmp_path
+):
     model, tok = tiny_lm, byte_tokenizer
     net = new_router2(model, base="oval", base_options={"rank": 2})
     g = torch.Generator().manual_seed(0)
@@ -62,7 +66,9 @@ def test_a_router2_on_a_plain_lm_pools_the_context_token_embeddings_at_serve_tim
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     save_router2(net, tmp_path)
     items = longtext.generate("passkey", "s", {"seed": 3, "per_length": 1, "lengths": {"s": 6}})
-    mm_oval.wrap(model, retrieval="router2", retrieval_options={"weights": str(tmp_path)}, read_bytes_budget=0.5)
+    mm_oval.wrap(
+        model, retrieval="router2", retrieval_options={"weights": str(tmp_path)}, read_bytes_budget=0.5
+    )
     seen = []
     try:
         policy = wrap_info(model).retrieval

@@ -16,8 +16,13 @@ def _inputs(processor, n: int = 2):
     from PIL import Image
 
     g = torch.Generator().manual_seed(5)
-    imgs = [Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy()) for _ in range(n)]
-    texts = ["USER: <image>\nwhat color is the circle ? ASSISTANT:", "USER: <image>\nhow many ? ASSISTANT:"][:n]
+    imgs = [
+        Image.fromarray((torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy())
+        for _ in range(n)
+    ]
+    texts = ["USER: <image>\nwhat color is the circle ? ASSISTANT:", "USER: <image>\nhow many ? ASSISTANT:"][
+        :n
+    ]
     return processor(images=imgs, text=texts, return_tensors="pt", padding=True)
 
 

@@ -58,7 +58,10 @@ def test_every_question_type_in_every_format(written):
                 assert answer(model, processor, scene, [], q.vqa_prompt(), n) == q.answer, (qtype, q.text)
             if qtype != "list":
                 mc = to_mmbench(scene, q, rng, hint_mode="distractor" if seed % 2 else "none")
-                assert answer(model, processor, scene, [], mc.mmbench_prompt(), 3) == mc.answer, (qtype, mc.text)
+                assert answer(model, processor, scene, [], mc.mmbench_prompt(), 3) == mc.answer, (
+                    qtype,
+                    mc.text,
+                )
             seen.add(qtype)
         if len(seen) == len(TRAIN_KINDS):
             break

@@ -21,4 +21,3 @@ def combine_gqa(raw: torch.Tensor) -> torch.Tensor:
     z = e.sum(dim=-1, keepdim=True)
     prob = torch.where(z > 0, e / z.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(e))
     return torch.log(prob.mean(dim=2))
-

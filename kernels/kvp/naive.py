@@ -75,7 +75,9 @@ class KVPWeights:
 
     def apply(self, fn) -> KVPWeights:
         """fn applied to every tensor (the absent extra-feature branch stays None)."""
-        return KVPWeights(**{f.name: None if (t := getattr(self, f.name)) is None else fn(t) for f in fields(self)})
+        return KVPWeights(
+            **{f.name: None if (t := getattr(self, f.name)) is None else fn(t) for f in fields(self)}
+        )
 
     def to(self, *args, **kwargs) -> KVPWeights:
         return self.apply(lambda t: t.to(*args, **kwargs))

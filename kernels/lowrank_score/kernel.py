@@ -230,11 +230,14 @@ def _lowrank_compact_raw_kernel(
 
     length = tl.load(PL + b * stride_lb + h * stride_lh + offs_p, mask=p_mask, other=0)  # (BLOCK_P,)
     page_s = b * stride_sb + h * stride_sh + offs_p  # the per-page scales share one layout
-    mu = tl.load(
-        MUQ + b * stride_mb + h * stride_mh + offs_p[:, None] * stride_mp + offs_d[None, :],
-        mask=p_mask[:, None] & d_mask[None, :],
-        other=0,
-    ).to(tl.float32) * tl.load(MUS + page_s, mask=p_mask, other=0.0).to(tl.float32)[:, None]
+    mu = (
+        tl.load(
+            MUQ + b * stride_mb + h * stride_mh + offs_p[:, None] * stride_mp + offs_d[None, :],
+            mask=p_mask[:, None] & d_mask[None, :],
+            other=0,
+        ).to(tl.float32)
+        * tl.load(MUS + page_s, mask=p_mask, other=0.0).to(tl.float32)[:, None]
+    )
     packed = tl.load(
         BQ
         + b * stride_bb
@@ -253,16 +256,19 @@ def _lowrank_compact_raw_kernel(
         other=0.0,
     ).to(tl.float32)  # (BLOCK_P, BLOCK_R)
     t_valid = offs_t[None, :] < length[:, None]  # (BLOCK_P, BLOCK_T)
-    coef = tl.load(
-        CQ
-        + b * stride_cb
-        + h * stride_ch
-        + offs_p[:, None, None] * stride_cp
-        + offs_t[None, :, None] * stride_ct
-        + offs_r[None, None, :],
-        mask=t_valid[:, :, None] & (offs_t[None, :, None] < T) & r_mask[None, None, :],
-        other=0,
-    ).to(tl.float32) * tl.load(CS + page_s, mask=p_mask, other=0.0).to(tl.float32)[:, None, None]
+    coef = (
+        tl.load(
+            CQ
+            + b * stride_cb
+            + h * stride_ch
+            + offs_p[:, None, None] * stride_cp
+            + offs_t[None, :, None] * stride_ct
+            + offs_r[None, None, :],
+            mask=t_valid[:, :, None] & (offs_t[None, :, None] < T) & r_mask[None, None, :],
+            other=0,
+        ).to(tl.float32)
+        * tl.load(CS + page_s, mask=p_mask, other=0.0).to(tl.float32)[:, None, None]
+    )
 
     for g in tl.static_range(G):
         row = Q + b * stride_qb + (h * G + g) * stride_qh

@@ -16,7 +16,9 @@ import torch
 from mm_oval.kernels.common.gqa import combine_gqa
 
 
-def _page_logsumexp(qmu: torch.Tensor, qvc: torch.Tensor, page_len: torch.Tensor, scale: float) -> torch.Tensor:
+def _page_logsumexp(
+    qmu: torch.Tensor, qvc: torch.Tensor, page_len: torch.Tensor, scale: float
+) -> torch.Tensor:
     """qmu (B, Hkv, P, G) = q . mu, qvc (B, Hkv, P, T, G) = (B^T q) . c_i -> (B, Hkv, G, P): logsumexp over
     each page's first page_len tokens of scale * (qmu + qvc), -inf for an empty page."""
     T = qvc.shape[3]
@@ -47,7 +49,9 @@ def page_raw_lowrank_naive(
     scale = D**-0.5 if scale is None else scale
     qf = q.float().view(B, Hkv, G, D)
     qmu = torch.matmul(mu.float(), qf.transpose(-1, -2))  # (B, Hkv, P, G)
-    qv = torch.matmul(qf.unsqueeze(2), basis.float())  # (B, Hkv, 1, G, D) @ (B, Hkv, P, D, R) -> (.., P, G, R)
+    qv = torch.matmul(
+        qf.unsqueeze(2), basis.float()
+    )  # (B, Hkv, 1, G, D) @ (B, Hkv, P, D, R) -> (.., P, G, R)
     c = coef[:, :, :, : _tokens_read(coef, page_len)].float()
     qvc = torch.matmul(c, qv.transpose(-1, -2))  # (B, Hkv, P, T, G)
     return _page_logsumexp(qmu, qvc, page_len, scale)

@@ -254,7 +254,9 @@ class MmOvalLlava(lmms):
             logits = [first]
             if cont.shape[1] > 1:
                 step = cont[:, :-1]
-                mask = torch.ones(1, n_ctx + step.shape[1], dtype=ctx["attention_mask"].dtype, device=step.device)
+                mask = torch.ones(
+                    1, n_ctx + step.shape[1], dtype=ctx["attention_mask"].dtype, device=step.device
+                )
                 logits.append(model(input_ids=step, attention_mask=mask, cache=cache, use_cache=True).logits)
         logp = torch.log_softmax(torch.cat(logits, 1).float(), dim=-1)[0]
         target = cont[0]

@@ -152,7 +152,9 @@ class KVPAgents(nn.Module):
         )
         if differentiable:
             return agent_scores(self.weights(w), keys, values, p, extra)
-        return agent_scores(self.weights(w, with_positions=False), keys, values, p, extra, self._position_term(w, p))
+        return agent_scores(
+            self.weights(w, with_positions=False), keys, values, p, extra, self._position_term(w, p)
+        )
 
     def position_table(self) -> torch.Tensor:
         """LN_p(pos_emb) @ w1_p for every (weight set, position): (S, P, F). Positions are a table lookup,
@@ -217,7 +219,11 @@ class KVPAgents(nn.Module):
         self.check_layer(layer_idx, keys)
         B, Hkv, N, D = keys.shape
         c = self.config
-        ex = extra_features(positions, modality, image_rc, c.extra_features, c.grid_side) if self.use_extra else None
+        ex = (
+            extra_features(positions, modality, image_rc, c.extra_features, c.grid_side)
+            if self.use_extra
+            else None
+        )
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             agents = torch.arange(Hkv, device=keys.device) + layer_idx * Hkv
             k = keys.transpose(0, 1).reshape(Hkv, B * N, D)

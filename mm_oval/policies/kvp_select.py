@@ -98,7 +98,9 @@ def redundancy_scores(
     fin = torch.where(img & torch.isfinite(s), s, torch.zeros_like(s))
     cnt = (img & torch.isfinite(s)).sum(-1, keepdim=True).clamp(min=1)
     mean = fin.sum(-1, keepdim=True) / cnt
-    var = (torch.where(img & torch.isfinite(s), (s - mean) ** 2, torch.zeros_like(s))).sum(-1, keepdim=True) / cnt
+    var = (torch.where(img & torch.isfinite(s), (s - mean) ** 2, torch.zeros_like(s))).sum(
+        -1, keepdim=True
+    ) / cnt
     z = (s - mean) / (var.sqrt() + 1e-6)
     # sim for every pair at once, (B, H, N, N); each greedy step reads the picked token's row
     kn = torch.nn.functional.normalize(keys.float(), dim=-1)
@@ -121,7 +123,9 @@ def redundancy_scores(
     return out.masked_fill(~valid, float("-inf"))
 
 
-def _greedy_rank(z: torch.Tensor, sim: torch.Tensor, img: torch.Tensor, lam: float, walk: int) -> torch.Tensor:
+def _greedy_rank(
+    z: torch.Tensor, sim: torch.Tensor, img: torch.Tensor, lam: float, walk: int
+) -> torch.Tensor:
     """The first `walk` steps of the greedy walk over each head's image tokens: each step picks the token of
     highest z minus `lam` x its largest similarity to the tokens picked so far. -> (B, H, N) float rank of
     each picked token (its step), N for the others."""

@@ -108,7 +108,9 @@ class _BasisRetrieval(RetrievalPolicy):
             ]
             return mean_over_queries(rows)
         rows = [
-            page_score_lowrank(ctx.query[:, :, i], sm["mu"], sm["basis"], sm["coef"], ctx.page_len, ctx.scaling)
+            page_score_lowrank(
+                ctx.query[:, :, i], sm["mu"], sm["basis"], sm["coef"], ctx.page_len, ctx.scaling
+            )
             for i in range(ctx.query.shape[2])
         ]
         return mean_over_queries(rows)

@@ -299,7 +299,9 @@ def load_weights_dir(
     try:
         net.load_state_dict(state)
     except RuntimeError as e:
-        raise DataError(f"{w_path}: weights do not match {cfg_path} ({e}); retrain or restore the router") from e
+        raise DataError(
+            f"{w_path}: weights do not match {cfg_path} ({e}); retrain or restore the router"
+        ) from e
     if model is not None:
         check_signature(config.model, model, str(d))
     return net.eval()

@@ -368,7 +368,9 @@ class Router2Retrieval(RetrievalPolicy):
                              check_weights=check_weights, gcn_budget=gcn_budget, skip_zero=skip_zero,
                              record_format=record_format)  # fmt: skip
         if predict_ahead not in PREDICT_AHEAD:
-            raise ConfigError(f"router2: predict_ahead must be 'off', 'step' or 'layer', got {predict_ahead!r}")
+            raise ConfigError(
+                f"router2: predict_ahead must be 'off', 'step' or 'layer', got {predict_ahead!r}"
+            )
         if net is None and weights not in (None, "none"):
             w = str(weights)
             self.source = str(bundled_router2_path(w)) if w in BUNDLED else w
@@ -420,7 +422,9 @@ class Router2Retrieval(RetrievalPolicy):
                 continue
             if str(bundled_router2_path(name)) != self.source:
                 logger.info("router2: no weights named; using the bundled %r, trained for this model", name)
-                self.__init__(weights=name, **self._options)  # the base and records those weights were trained on
+                self.__init__(
+                    weights=name, **self._options
+                )  # the base and records those weights were trained on
             return
 
     # summaries --------------------------------------------------------------------------------------

@@ -230,7 +230,9 @@ def _attention_by_type(items: list[dict], attn: list[dict], grid: int) -> dict:
     return out
 
 
-def grounding_report(model: Any, processor: Any, data_dir: str | Path | None = None, limit: int | None = None) -> dict:
+def grounding_report(
+    model: Any, processor: Any, data_dir: str | Path | None = None, limit: int | None = None
+) -> dict:
     """The grounding figures of a loaded checkpoint (`mm-oval zoo check` loads it, eager attention) on a dev
     set (default: the bundled dev set at the model's geometry)."""
     grid = model_grid(model)

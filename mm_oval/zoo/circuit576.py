@@ -58,7 +58,9 @@ KV_HEADS = 4
 HEAD_DIM = 64
 HALF = HEAD_DIM // 2
 INTERMEDIATE = 128  # the widest MLP uses 98 units
-ROPE_THETA = 1e16  # content pairs 13..31 turn < 3e-4 rad over 1000 tokens: no cross-talk between a pair's halves
+ROPE_THETA = (
+    1e16  # content pairs 13..31 turn < 3e-4 rad over 1000 tokens: no cross-talk between a pair's halves
+)
 LETTERS = "ABCD"
 DIGITS = 7  # words 0..6: region numbers 1..6, counts 0..5
 COUNT_MAX = 5
@@ -75,15 +77,40 @@ MARKER_WORDS = {
     "W_BOTTOM": "bottom",
 }  # fmt: skip
 # what a question's `?` must know, copied to the answer by layer 1
-TYPE_FLAGS = ["T_COLORW", "T_OBJ", "T_THERE", "T_COLUMN", "T_IMAGE", "T_LEFT", "T_ABOVE", "T_NEAR", "T_LR", "T_TB"]
-KEY_FIELDS = [("K_COL", NC), ("K_SHP", NS), ("K2_COL", NC), ("K2_SHP", NS), ("K_ROW", REGIONS), ("K_CLM", REGIONS)]
+TYPE_FLAGS = [
+    "T_COLORW",
+    "T_OBJ",
+    "T_THERE",
+    "T_COLUMN",
+    "T_IMAGE",
+    "T_LEFT",
+    "T_ABOVE",
+    "T_NEAR",
+    "T_LR",
+    "T_TB",
+]
+KEY_FIELDS = [
+    ("K_COL", NC),
+    ("K_SHP", NS),
+    ("K2_COL", NC),
+    ("K2_SHP", NS),
+    ("K_ROW", REGIONS),
+    ("K_CLM", REGIONS),
+]
 CONTEXTS = ["C_COL", "C_SHP", "C_DIG", "C_YN", "C_LET", "C_EOS", "C_CE"]
 
 _FIELDS = (
     [("CONST", 1), ("W_COL", NC), ("W_SHP", NS), ("W_DIG", DIGITS), ("W_LET", 4), ("W_YES", 1), ("W_NO", 1)]
     + [(m, 1) for m in MARKERS]
     # image tokens (the projector)
-    + [("I_CW", NC), ("I_COL", NC), ("I_SHP", NS), ("I_CONJ", NC * NS), ("I_RROW", REGIONS), ("I_RCOL", REGIONS)]
+    + [
+        ("I_CW", NC),
+        ("I_COL", NC),
+        ("I_SHP", NS),
+        ("I_CONJ", NC * NS),
+        ("I_RROW", REGIONS),
+        ("I_RCOL", REGIONS),
+    ]
     + [("I_CX", 1), ("I_CY", 1), ("I_R2", 1), ("I_OX", 1), ("I_OY", 1), ("I_MEM", 1)]
     # layer 0
     + KEY_FIELDS
@@ -320,7 +347,9 @@ def projector_code(feats: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, 
     report = {
         "patches": int(x.shape[0]),
         "class_err_below_0.3": float((cls_err < 0.3).float().mean()),
-        "centre_err_patches_members": float(((pred[mem, NC + NS : NC + NS + 2] - y[mem, NC + NS : NC + NS + 2]).abs() * GRID).mean()),
+        "centre_err_patches_members": float(
+            ((pred[mem, NC + NS : NC + NS + 2] - y[mem, NC + NS : NC + NS + 2]).abs() * GRID).mean()
+        ),
         "own_err_patches": float(((pred[:, -2:] - y[:, -2:]).abs() * GRID).mean()),
     }
     return code.float(), report
@@ -500,7 +529,10 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     # patch above: the BOS token (value 0, no positional key) scores between the right offset's peak (195
     # logits) and the next best (175), so it wins only when the offset is missing
     nbr_sink = 185.0
-    for kv, heads in ((2, ((4, GRID - 1, "N_AR"), (5, GRID + 1, "N_AL"))), (3, ((6, 1, "N_L"), (7, GRID, "N_A")))):
+    for kv, heads in (
+        (2, ((4, GRID - 1, "N_AR"), (5, GRID + 1, "N_AL"))),
+        (3, ((6, 1, "N_L"), (7, GRID, "N_A"))),
+    ):
         for j in FAST:
             a.krow(kv, j)[cst] = amp / C
             a.krow(kv, j)[f("IS_BOS")] = -amp / U
@@ -587,7 +619,9 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     # already]; the sink 82. A patch whose shape read-out is unsure keeps enough of its object's
     # conjunction to be excluded with it
     lam, big, bmem, s0 = 288.0, 3000.0, 400.0, 82.0
-    terms = [({i: -big / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("LISTED"), _fields_of("I_CONJ"), strict=True)]
+    terms = [
+        ({i: -big / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("LISTED"), _fields_of("I_CONJ"), strict=True)
+    ]
     terms += [({f("T_LR"): -lam / U}, {f("I_OX"): 1.0 / U}), ({f("T_TB"): -lam / U}, {f("I_OY"): 1.0 / U})]
     terms += [({cst: bmem / C}, {f("I_MEM"): 1.0 / U}), ({cst: s0 / C}, {bos: 1.0 / U})]
     a.content(4, terms)
@@ -617,12 +651,19 @@ def set_language_model(model, tokenizer, gate: float = 20.0, word: float = 10.0)
     # -- layer 3: the nearest object ----------------------------------------------------------------
     a = Attn(L[3])
     lam_n, big_n = 1000.0, 3000.0
-    terms = [({f("O2X"): 2 * lam_n / U}, {f("I_OX"): 1.0 / U}), ({f("O2Y"): 2 * lam_n / U}, {f("I_OY"): 1.0 / U})]
+    terms = [
+        ({f("O2X"): 2 * lam_n / U}, {f("I_OX"): 1.0 / U}),
+        ({f("O2Y"): 2 * lam_n / U}, {f("I_OY"): 1.0 / U}),
+    ]
     terms += [({cst: -lam_n / C}, {f("I_R2"): 1.0 / U}), ({cst: 2500.0 / C}, {f("I_MEM"): 1.0 / U})]
     # the named object set aside by its colour and by its shape (a patch whose read-out got one wrong is
     # still set aside; the generator asks only when the answer differs from it in both)
-    terms += [({i: -big_n / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("K_COL"), _fields_of("I_COL"), strict=True)]
-    terms += [({i: -big_n / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("K_SHP"), _fields_of("I_SHP"), strict=True)]
+    terms += [
+        ({i: -big_n / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("K_COL"), _fields_of("I_COL"), strict=True)
+    ]
+    terms += [
+        ({i: -big_n / U}, {j: 1.0 / U}) for i, j in zip(_fields_of("K_SHP"), _fields_of("I_SHP"), strict=True)
+    ]
     a.content(0, terms)
     vmap = a.values(0, _fields_of("I_COL"))
     for si, di in zip(_fields_of("I_COL"), _fields_of("EN_COL"), strict=True):
@@ -705,6 +746,7 @@ def image_embeddings(t: torch.Tensor) -> torch.Tensor:
         out[..., f("I_RCOL", r)] = ((cx > lo) & (cx < hi)).float()
     out[..., f("I_CX")] = cx
     out[..., f("I_CY")] = cy
+
     # the projector's piecewise-linear square, exactly
     def sq(x):
         k = torch.clamp(torch.floor(x * GRID), 0, GRID - 1)

@@ -358,7 +358,9 @@ def png_bytes(img: Image.Image) -> bytes:
 # the files' records, shared with the 576-token generator
 
 
-def vqa_records(qid: int, image_id: int, q: Question, answer_type: str, rng: random.Random) -> tuple[dict, dict]:
+def vqa_records(
+    qid: int, image_id: int, q: Question, answer_type: str, rng: random.Random
+) -> tuple[dict, dict]:
     """The VQAv2 question and annotation records of `q` (10 human answers drawn from `rng`)."""
     answers = human_answers(q.answer, q.qtype, rng)
     question = {"question_id": qid, "image_id": image_id, "question": q.text}
@@ -380,7 +382,9 @@ def vqa_records(qid: int, image_id: int, q: Question, answer_type: str, rng: ran
     return question, annotation
 
 
-def write_vqa_files(out: Path, info: dict, data_type: str, questions: list[dict], annotations: list[dict]) -> None:
+def write_vqa_files(
+    out: Path, info: dict, data_type: str, questions: list[dict], annotations: list[dict]
+) -> None:
     atomic_write_text(
         out / "vqav2_dev_questions.json",
         json.dumps(
@@ -400,16 +404,34 @@ def write_vqa_files(out: Path, info: dict, data_type: str, questions: list[dict]
 
 
 def pope_line(qid: int, image: str, q: Question, kind: str) -> str:
-    return json.dumps({"question_id": qid, "image": image, "text": q.text, "label": q.answer, "category": kind})
+    return json.dumps(
+        {"question_id": qid, "image": image, "text": q.text, "label": q.answer, "category": kind}
+    )
 
 
-def mmbench_rows(base: int, mq: Question, b64: str, category: str, l2: str, source: str = "synth") -> list[list]:
+def mmbench_rows(
+    base: int, mq: Question, b64: str, category: str, l2: str, source: str = "synth"
+) -> list[list]:
     """The TSV rows of one multiple-choice question: itself and its circular rotations."""
     rows = []
     for k in range(len(mq.options)):
         r = rotate(mq, k)
         opts = r.options + [""] * (4 - len(r.options))
-        rows.append([base + k * CIRCULAR_OFFSET, r.text, r.hint, *opts, r.answer, category, b64, source, l2, "", "dev"])
+        rows.append(
+            [
+                base + k * CIRCULAR_OFFSET,
+                r.text,
+                r.hint,
+                *opts,
+                r.answer,
+                category,
+                b64,
+                source,
+                l2,
+                "",
+                "dev",
+            ]
+        )
     return rows
 
 
@@ -572,7 +594,9 @@ def check_sampler_options(mmbench_fraction: float, type_weights: dict[str, float
         raise ConfigError(f"mmbench_fraction must be in [0, 1], got {mmbench_fraction}")
     unknown = set(type_weights or {}) - set(kinds)
     if unknown or any(w < 0 for w in (type_weights or {}).values()):
-        raise ConfigError(f"type_weights: unknown types {sorted(unknown)} or negative weights; types: {list(kinds)}")
+        raise ConfigError(
+            f"type_weights: unknown types {sorted(unknown)} or negative weights; types: {list(kinds)}"
+        )
 
 
 class TrainSampler:

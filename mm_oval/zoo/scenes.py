@@ -106,7 +106,9 @@ LEVELS = PALETTE - len(COLORS)  # background shades
 
 def _ramp() -> np.ndarray:
     t = np.linspace(0.0, 1.0, LEVELS)[:, None]
-    return np.round((1 - t) * np.array([22.0, 26.0, 38.0]) + t * np.array([88.0, 80.0, 66.0])).astype(np.uint8)
+    return np.round((1 - t) * np.array([22.0, 26.0, 38.0]) + t * np.array([88.0, 80.0, 66.0])).astype(
+        np.uint8
+    )
 
 
 RAMP = _ramp()

@@ -46,7 +46,6 @@ from .model import TinyLlavaSizes, build_tiny_llava, pixel_values
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class TinyLlavaTrainConfig:
     steps: int = 3000

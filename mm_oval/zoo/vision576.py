@@ -135,7 +135,9 @@ class Readout(nn.Module):
 
 
 def scenes_for(seed: int, step: int, batch: int) -> list:
-    return [make_scene(random.Random(seed * 1_000_003 + step * batch + i), min_objects=4) for i in range(batch)]
+    return [
+        make_scene(random.Random(seed * 1_000_003 + step * batch + i), min_objects=4) for i in range(batch)
+    ]
 
 
 def train_tower(
@@ -189,14 +191,25 @@ def train_tower(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 50 == 0 or step == end - 1:
-            rec = {"stage": "vision", "step": step, "loss": float(loss), **stats, "elapsed_s": time.time() - t0}
+            rec = {
+                "stage": "vision",
+                "step": step,
+                "loss": float(loss),
+                **stats,
+                "elapsed_s": time.time() - t0,
+            }
             log.info("%s", rec)
             with open(out / "vision_log.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
         if (step + 1) % 250 == 0 or step == end - 1:
             tmp = state_path.with_suffix(".tmp")
             torch.save(
-                {"tower": tower.state_dict(), "head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1},
+                {
+                    "tower": tower.state_dict(),
+                    "head": head.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step + 1,
+                },
                 tmp,
             )
             tmp.replace(state_path)

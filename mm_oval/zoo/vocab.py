@@ -26,6 +26,7 @@ def vocabulary() -> list[str]:
             words.append(w)
     return words
 
+
 # the 576-token benchmark's extra words (relations, the object list); appended, so every word of the
 # 64-token vocabulary keeps its id
 _WORDS_576 = """
