@@ -562,13 +562,12 @@ def select_utility(trace: dict[str, Any], utility: str) -> dict[str, Any]:
         )
     rec = trace["reconstruction"].float()
     if utility == "reconstruction":
-        u = rec
-    else:
-        fut = trace["utility"].float()
-        u = fut / fut.sum(-1, keepdim=True).clamp_min(1e-12) + rec / rec.sum(-1, keepdim=True).clamp_min(
-            1e-12
-        )
-    return trace | {"utility": u}
+        return trace | {"utility": rec}
+
+    def share(u: torch.Tensor) -> torch.Tensor:
+        return u / u.sum(-1, keepdim=True).clamp_min(1e-12)
+
+    return trace | {"utility": share(trace["utility"].float()) + share(rec)}
 
 
 # ----------------------------------------------------------------------------------------------------------
