@@ -194,6 +194,8 @@ def test_reconstruction_utility_is_kvzips_score_and_mixed_needs_both(tiny_lm, by
     fut, rec = tr["utility"], tr["reconstruction"]
     assert torch.allclose(mixed, fut / fut.sum(-1, keepdim=True) + rec / rec.sum(-1, keepdim=True))
     assert torch.allclose(mixed.sum(-1), torch.full((3, 2), 2.0))
+    third = select_utility(tr, "mixed", 1 / 3)["utility"]
+    assert torch.allclose(third, fut / fut.sum(-1, keepdim=True) + rec / rec.sum(-1, keepdim=True) / 3)
     plain = capture_sample(model, tok, sample, answer="greedy", compress="context", store_queries=False)
     assert "reconstruction" not in plain
     with pytest.raises(DataError, match="no reconstruction utility"):

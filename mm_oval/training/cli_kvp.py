@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(future, default), KVzip's reconstruction attention (reconstruction: question-agnostic, no future "
         "needed; text data) or both, each normalised per layer and KV head (mixed)",
     )
+    p.add_argument(
+        "--reconstruction-weight",
+        type=float,
+        default=1.0,
+        help="with --utility mixed: the weight of the reconstruction share against the future's (default 1)",
+    )
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
     p.add_argument(

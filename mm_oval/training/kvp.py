@@ -531,6 +531,7 @@ class PipelineConfig:
     # what the agents learn to keep (traces.select_utility): the attention the future pays ("future"), KVzip's
     # reconstruction attention ("reconstruction", text only) or both ("mixed")
     utility: str = "future"
+    reconstruction_weight: float = 1.0  # with utility "mixed": the reconstruction share's weight
     seed: int = 0
     proj: int = 64
     hidden: int = 64
@@ -649,6 +650,8 @@ def train(
     selection = RedundancySelection(cfg.redundancy, cfg.sigma)  # a bad setting fails before any capture
     if cfg.utility not in UTILITIES:
         raise ConfigError(f"utility must be one of {UTILITIES}, got {cfg.utility!r}")
+    if not cfg.reconstruction_weight > 0:
+        raise ConfigError(f"reconstruction_weight must be > 0, got {cfg.reconstruction_weight}")
     train_cfg = train_cfg if train_cfg is not None else KVPTrainConfig(seed=cfg.seed)
     signature = model_signature(model)
     train_samples, held_samples, held_spec, fu = _split_samples(cfg)
@@ -668,8 +671,9 @@ def train(
             compress=cfg.compress,
             reconstruction=cfg.utility != "future",
         )
-    train_traces = [select_utility(t, cfg.utility) for t in load_traces([dirs["train"]])]
-    held = [select_utility(t, cfg.utility) for t in load_traces([dirs["heldout"]])]
+    w = cfg.reconstruction_weight
+    train_traces = [select_utility(t, cfg.utility, w) for t in load_traces([dirs["train"]])]
+    held = [select_utility(t, cfg.utility, w) for t in load_traces([dirs["heldout"]])]
     res = train_agents(
         train_traces,
         agent_config(signature, cfg, fixed_grid=family_of(model) == FIXED),
@@ -689,6 +693,7 @@ def train(
         "answer": cfg.answer,
         "compress": cfg.compress,
         "utility": cfg.utility,
+        "reconstruction_weight": cfg.reconstruction_weight,
         "heldout_cost": {k: v["cost"] for k, v in table.items()},
     }
     save_agents(res.agents, out, signature, training, asdict(selection) if selection.active else None)

@@ -547,10 +547,10 @@ def reconstruction_utility(model: Any, tokenizer: Any, prompt_ids: torch.Tensor)
 UTILITIES = ("future", "reconstruction", "mixed")
 
 
-def select_utility(trace: dict[str, Any], utility: str) -> dict[str, Any]:
+def select_utility(trace: dict[str, Any], utility: str, weight: float = 1.0) -> dict[str, Any]:
     """The trace with `utility` as its "utility": `future` (the attention the future pays, as captured),
     `reconstruction` (KVzip's reconstruction attention) or `mixed` (the two, each normalised to sum 1 per
-    layer and KV head, added: a token either one needs ranks high)."""
+    layer and KV head, the reconstruction's times `weight`, added: a token either one needs ranks high)."""
     if utility == "future":
         return trace
     if utility not in UTILITIES:
@@ -567,7 +567,7 @@ def select_utility(trace: dict[str, Any], utility: str) -> dict[str, Any]:
     def share(u: torch.Tensor) -> torch.Tensor:
         return u / u.sum(-1, keepdim=True).clamp_min(1e-12)
 
-    return trace | {"utility": share(trace["utility"].float()) + share(rec)}
+    return trace | {"utility": share(trace["utility"].float()) + weight * share(rec)}
 
 
 # ----------------------------------------------------------------------------------------------------------
