@@ -71,9 +71,10 @@ def answer_attention(model, ids: torch.Tensor, n: int, kv_heads: int) -> tuple[l
     per_layer, utility = [], {"sum": [], "max": []}
     for att in out.attentions:  # (1, query heads, T, T)
         fut = att[0, :, n:, :n].float()  # (query heads, future queries, n)
-        a = fut.sum(1).reshape(kv_heads, -1, n).sum(1)
+        summed = fut.sum(1).reshape(kv_heads, -1, n)  # (KV heads, group, n)
+        a = summed.sum(1)
         per_layer.append(a / a.sum(-1, keepdim=True))
-        utility["sum"].append(fut.sum(1).reshape(kv_heads, -1, n).amax(1))
+        utility["sum"].append(summed.amax(1))
         utility["max"].append(fut.amax(1).reshape(kv_heads, -1, n).amax(1))
     return per_layer, utility
 

@@ -202,5 +202,7 @@ def test_reconstruction_utility_is_kvzips_score_and_mixed_needs_both(tiny_lm, by
         select_utility(plain, "mixed")
     with pytest.raises(ConfigError, match="utility must be one of"):
         select_utility(tr, "softmax")
+    with pytest.raises(ConfigError, match="reconstruction_weight must be > 0"):
+        select_utility(tr, "mixed", 0.0)
     with pytest.raises(ConfigError, match="utility must be one of"):
         train(model, tok, tmp_path / "x", PipelineConfig(data="longtext:train:2:512", utility="oracle"))

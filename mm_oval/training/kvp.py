@@ -38,7 +38,14 @@ from ..policies.kvp_features import extra_features
 from ..policies.kvp_io import save_agents
 from ..policies.kvp_select import RedundancySelection
 from ..policies.signature import model_signature
-from .traces import UTILITIES, capture_traces, load_samples, load_traces, parse_longtext_spec, select_utility
+from .traces import (
+    capture_traces,
+    check_utility,
+    load_samples,
+    load_traces,
+    parse_longtext_spec,
+    select_utility,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -648,10 +655,7 @@ def train(
     Every stage resumes from what a previous call with the same settings left in `out_dir`."""
     out = Path(out_dir)
     selection = RedundancySelection(cfg.redundancy, cfg.sigma)  # a bad setting fails before any capture
-    if cfg.utility not in UTILITIES:
-        raise ConfigError(f"utility must be one of {UTILITIES}, got {cfg.utility!r}")
-    if not cfg.reconstruction_weight > 0:
-        raise ConfigError(f"reconstruction_weight must be > 0, got {cfg.reconstruction_weight}")
+    check_utility(cfg.utility, cfg.reconstruction_weight)  # likewise
     train_cfg = train_cfg if train_cfg is not None else KVPTrainConfig(seed=cfg.seed)
     signature = model_signature(model)
     train_samples, held_samples, held_spec, fu = _split_samples(cfg)

@@ -547,14 +547,21 @@ def reconstruction_utility(model: Any, tokenizer: Any, prompt_ids: torch.Tensor)
 UTILITIES = ("future", "reconstruction", "mixed")
 
 
+def check_utility(utility: str, weight: float = 1.0) -> None:
+    """A ConfigError for a utility `select_utility` does not know or a reconstruction weight not > 0."""
+    if utility not in UTILITIES:
+        raise ConfigError(f"utility must be one of {UTILITIES}, got {utility!r}")
+    if not weight > 0:
+        raise ConfigError(f"reconstruction_weight must be > 0, got {weight}")
+
+
 def select_utility(trace: dict[str, Any], utility: str, weight: float = 1.0) -> dict[str, Any]:
     """The trace with `utility` as its "utility": `future` (the attention the future pays, as captured),
     `reconstruction` (KVzip's reconstruction attention) or `mixed` (the two, each normalised to sum 1 per
     layer and KV head, the reconstruction's times `weight`, added: a token either one needs ranks high)."""
+    check_utility(utility, weight)
     if utility == "future":
         return trace
-    if utility not in UTILITIES:
-        raise ConfigError(f"utility must be one of {UTILITIES}, got {utility!r}")
     if "reconstruction" not in trace:
         raise DataError(
             "these traces hold no reconstruction utility: capture them with the reconstruction utility "
