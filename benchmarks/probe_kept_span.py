@@ -12,11 +12,13 @@ and to the cue's tokens, and whether the method's own greedy answer scores.
     python benchmarks/probe_kept_span.py                       # message_1k, first 10 contexts, 25%, KVP and KVzip
     python benchmarks/probe_kept_span.py --task needle_1k --budget 0.1 --methods kvp:agents=smollm2-context keydiff
     python benchmarks/probe_kept_span.py --methods future_oracle:reduce=sum future_oracle:reduce=max
+    python benchmarks/probe_kept_span.py --methods future_oracle:layerwise=false kvzip:layerwise=false
 
 `future_oracle` (a diagnostic registered in this script's process only: it reads the future) keeps, per layer
 and KV head, the tokens the full cache's own question and greedy answer pay the most attention, summed over
 those queries (`reduce=sum`: exactly the utility KVP's agents are trained to rank by) or their largest
-(`reduce=max`): what a perfect KVP would keep.
+(`reduce=max`): what a perfect KVP would keep. `layerwise=false` ranks every layer's tokens together, as
+KVzip's own allocation (`kvzip:layerwise=false`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mm_oval.eval.textgen import split_prompt
 from probe_kvzip_passkey import key_tokens
 
 import mm_oval
+from mm_oval.allocation import Allocation
 from mm_oval.config import OvalConfig
 from mm_oval.core import PrefillContext
 from mm_oval.files import atomic_write_json
@@ -92,6 +95,14 @@ class FutureOracle(EvictionPolicy):
     name = "future_oracle"
     comparable_across_heads = True
     reduce: str = "sum"
+    layerwise: bool = True  # False: every layer's tokens ranked together, as kvzip:layerwise=false
+
+    @property
+    def allocation(self) -> Allocation | None:
+        return None if self.layerwise else Allocation(share_heads=True, across_layers=True)
+
+    def all_layer_scores(self, request) -> list[torch.Tensor]:
+        return [u[None] for u in FUTURE[self.reduce]]
 
     def score(self, ctx: PrefillContext) -> torch.Tensor:
         u = FUTURE[self.reduce][ctx.layer_idx].to(ctx.keys.device)  # (Hkv, n)

@@ -20,11 +20,16 @@ from .errors import ConfigError
 class Allocation:
     """How the kept tokens of a request are divided. `pyramid_beta`: None keeps the same count in every
     layer, a number >= 1 the PyramidKV schedule of that steepness. `share_heads`: the heads of a layer
-    share their budget (AdaKV), each keeping at least `floor(alpha_safeguard x k)` of its uniform count k."""
+    share their budget (AdaKV), each keeping at least `floor(alpha_safeguard x k)` of its uniform count k.
+    `across_layers`: every layer's KV heads share one budget, `layers x Hkv x k` tokens ranked together by
+    score (KVzip's default allocation, kvpress's `layerwise=False`): a layer whose tokens score higher keeps
+    more. It needs every layer's scores before the first layer is compressed (`all_layer_scores`) on one
+    scale across layers and heads; the protected tokens stay in every head."""
 
     pyramid_beta: float | None = None
     share_heads: bool = False
     alpha_safeguard: float = 0.0
+    across_layers: bool = False
 
     def with_head_budget(self, head_budget: str) -> Allocation:
         """The configuration's `head_budget="shared"` folded in: the heads share (AdaKV with alpha 0)."""

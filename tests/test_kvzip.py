@@ -199,6 +199,48 @@ def test_budgets_are_exact_in_the_wrapped_model(tiny_random_llava, inputs, tok, 
         mm_oval.unwrap(model)
 
 
+def test_layerwise_false_ranks_every_layer_and_head_together(tiny_random_llava, inputs, tok):
+    """KVzip's own allocation (`layerwise=False`, kvpress's default): per sample, the image tokens kept over
+    every layer and KV head are exactly the top `layers x Hkv x k` of all their scores, so the layers keep
+    different counts at the same total; the sinks stay in every head; generation runs on it. A budget
+    wrapper over it is refused (it would have no per-layer budget to divide)."""
+    model, _ = tiny_random_llava
+    n_img = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
+    try:
+        mm_oval.wrap(
+            model, method="kvzip", budget=0.25, sink_tokens=2, recent_tokens=0,
+            method_options={"tokenizer": tok, "layerwise": False},
+        )  # fmt: skip
+        cache = prefill(model, **inputs)
+        scores = cache.request.prepared.scores  # per layer (B, Hkv, N)
+        L, H = len(cache.layers), scores[0].shape[1]
+        img = inputs["input_ids"] == model.config.image_token_id  # (B, N)
+        for b in range(2):  # the second sample is left-padded: a slot's position counts its valid tokens
+            first = int(inputs["attention_mask"][b].nonzero().min())
+            kept = torch.zeros(L, H, img.shape[1], dtype=torch.bool)
+            for li, layer in enumerate(cache.layers):
+                pos = layer.slot_pos[b, :, : layer.prompt_slots]
+                ok = layer.slot_valid[b, :, : layer.prompt_slots] & (pos >= 0)
+                for h in range(H):
+                    kept[li, h, first + pos[h][ok[h]]] = True
+            joint = torch.stack([s[b] for s in scores])  # (L, H, N)
+            mine = kept & img[b]
+            want = L * H * math.ceil(n_img * 0.25)
+            assert int(mine.sum()) == want
+            top = joint.masked_fill(~img[b], float("-inf")).flatten().topk(want).indices
+            assert torch.equal(mine.flatten().nonzero().flatten().sort().values, top.sort().values)
+            per_layer = mine.sum((1, 2))
+            assert len(set(per_layer.tolist())) > 1  # the layers keep different counts
+            assert kept[:, :, first : first + 2].all()  # the sinks, in every head of every layer
+        out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        assert out.shape == (2, inputs["input_ids"].shape[1] + 2)
+    finally:
+        mm_oval.unwrap(model)
+    for wrapper in ("pyramidkv", "adakv"):
+        with pytest.raises(ConfigError, match="layerwise=true"):
+            make_eviction(wrapper, scorer="kvzip", layerwise=False)
+
+
 def test_padding_never_matters(tiny_random_llava, inputs, tok):
     """Each sample of a left-padded batch scores as it does alone, whatever token fills its padding."""
     model, _ = tiny_random_llava
@@ -300,7 +342,13 @@ def test_options_from_a_spec_and_bad_options():
     assert cfg.method_options == {"context_chunk": 64, "n_sink": 2} and cfg.chunk_size == 32
     pol = make_eviction(cfg.method, **cfg.method_options)
     assert isinstance(pol, KVzip) and pol.context_chunk == 64 and KVzip.comparable_across_heads
-    for bad in ({"context_chunk": 0}, {"n_sink": -1}, {"repeat_prompt": ""}, {"tokenizer": 3}):
+    for bad in (
+        {"context_chunk": 0},
+        {"n_sink": -1},
+        {"repeat_prompt": ""},
+        {"tokenizer": 3},
+        {"layerwise": "no"},
+    ):
         with pytest.raises(ConfigError, match="kvzip"):
             make_eviction("kvzip", **bad)
 

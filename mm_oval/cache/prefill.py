@@ -67,11 +67,28 @@ def choose_tokens(
             f"eviction method {policy.name!r} returned scores of shape {tuple(scores.shape)}, "
             f"expected {tuple(valid.shape)}"
         )
+    if alloc.across_layers:
+        return kept_across_layers(layer, policy) & valid
     rank, n_evicting = 0, 1
     if alloc.pyramid_beta is not None:  # only a per-layer schedule needs the layer's place
         evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
         rank, n_evicting = evicting.index(layer.layer_idx), len(evicting)
     return choose_kept(scores, info, cfg, alloc, rank, n_evicting) & valid
+
+
+def kept_across_layers(layer: Any, policy: Any) -> torch.Tensor:
+    """This layer's slice of one choice over every layer (`Allocation.across_layers`): the layers' KV heads
+    ranked together as the heads of one layer are under a shared budget (`choose_kept`), from the scores the
+    policy holds for every layer (`policy.all_layer_scores(request)`, a list of (B, Hkv, N)), chosen at the
+    first layer that asks and kept in the request for the others."""
+    owner = layer.owner
+    req = owner.request
+    if req.kept_across_layers is None:
+        per_layer = policy.all_layer_scores(req)
+        joint = torch.cat([s.to(layer.keys.device) for s in per_layer], dim=1)
+        req.kept_across_layers = choose_kept(joint, owner.info, owner.config, Allocation(share_heads=True))
+    H = layer.keys.shape[1]
+    return req.kept_across_layers[:, layer.layer_idx * H : (layer.layer_idx + 1) * H]
 
 
 def prefill_context(
@@ -104,7 +121,7 @@ def image_keep(layer: Any, alloc: Allocation) -> int | None:
     schedule, one budget over all tokens)."""
     cfg, info = layer.owner.config, layer.owner.info
     alloc = alloc.with_head_budget(cfg.head_budget)
-    if cfg.eviction_scope == "all" or alloc.pyramid_beta is not None:
+    if cfg.eviction_scope == "all" or alloc.pyramid_beta is not None or alloc.across_layers:
         return None
     image = info.modality == IMAGE
     n = image.sum(-1)

@@ -83,6 +83,13 @@ class BudgetPolicy(EvictionPolicy):
                 f"{self.name}: scorer must be a registered eviction method other than 'full' and "
                 f"{self.name!r} (default {DEFAULT_SCORER!r}), got {scorer!r}"
             )
+        inner = getattr(self.scorer, "allocation", None)
+        if isinstance(inner, Allocation) and inner.across_layers:
+            raise ConfigError(
+                f"{self.name}: its scorer {self.scorer.name!r} already ranks every layer's tokens together "
+                f"(layerwise=false), which leaves no per-layer budget for {self.name} to divide: use "
+                f"{self.scorer.name!r} alone, or give it layerwise=true"
+            )
 
     @property
     def allocation(self) -> Allocation:

@@ -25,15 +25,21 @@ Where mm-oval's setting forces a choice the paper does not make:
 - image tokens are re-fed as the same image embeddings (the image is encoded once for the pre-pass);
 - a batch is reconstructed in one forward per chunk, each sample its own context (left padding is never
   attended to and never scored);
-- the cache's budgets are per layer (kvpress's default spreads its budget over all layers jointly); with
-  `head_budget="shared"` a layer's KV heads share theirs by score, which KVzip's scores allow (they are
-  attention probabilities, comparable across heads).
+- the budget: KVzip's own (kvpress's default, `layerwise=False`) ranks every (layer, KV head, token) score
+  of the request together and keeps the top `layers x Hkv x k` (k: the uniform per-head count), so a layer
+  or head whose tokens score higher keeps more. mm-oval's default is `layerwise=True`: every layer keeps
+  the same count, as every other method's, so that a comparison is at matched tokens per layer; with it,
+  `head_budget="shared"` lets a layer's KV heads share theirs by score. `layerwise=False` is KVzip's
+  allocation: one choice over every layer (`mm_oval.allocation.Allocation.across_layers`), the sinks and
+  the recent window still in every head. The scores allow both (attention probabilities, comparable across
+  heads and layers).
 
 Cost: the pre-pass is one forward over C plus one forward per chunk over the repeat sequence (about as
 long as C): about twice the prefill's language-model work before the prefill itself runs
 (`benchmarks/bench_overhead.py` prints the ratio at LLaVA-1.5-7B's layer shape).
 
-Options: `context_chunk` (context tokens reconstructed per forward, default 2048 as kvpress),
+Options: `layerwise` (True: the same budget in every layer, mm-oval's default; False: KVzip's own,
+ranked across every layer and head), `context_chunk` (context tokens reconstructed per forward, default 2048 as kvpress),
 `repeat_prompt` and `continue_prompt` (the two repeat prompts' text), `n_sink` (4), `tokenizer` (a
 folder or hub id to encode the repeat prompts with; default the model's own, from `name_or_path`).
 """
@@ -48,6 +54,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, DynamicCache
 
+from ..allocation import Allocation
 from ..errors import ConfigError, ModelError
 from ..geometry import FIXED, TEXT_ONLY, family_of, language_model
 from ..measures import LayerQK, capture_qk
@@ -181,8 +188,14 @@ class KVzip(EvictionPolicy):
     continue_prompt: str = CONTINUE_PROMPT
     n_sink: int = 4
     tokenizer: str | None = None
+    layerwise: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layerwise, bool):
+            raise ConfigError(
+                f"kvzip: layerwise must be true (the same budget in every layer) or false (KVzip's own: "
+                f"every layer's tokens ranked together), got {self.layerwise!r}"
+            )
         for name in ("context_chunk", "n_sink"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "context_chunk" else 0):
@@ -356,14 +369,27 @@ class KVzip(EvictionPolicy):
         return rep, ok, target
 
     # ---- the seam -------------------------------------------------------------------------------------
-    def score(self, ctx: PrefillContext) -> torch.Tensor:
-        state = ctx.request.prepared
+    @property
+    def allocation(self) -> Allocation | None:
+        """None (the configuration's) with `layerwise`; else every layer's tokens ranked together."""
+        return None if self.layerwise else Allocation(share_heads=True, across_layers=True)
+
+    def all_layer_scores(self, request: Any) -> list[torch.Tensor]:
+        """Every layer's (B, Hkv, N) scores of this request (for `layerwise=False`)."""
+        return self._prepared(request).scores
+
+    @staticmethod
+    def _prepared(request: Any) -> KVzipRequest:
+        state = request.prepared
         if not isinstance(state, KVzipRequest):
             raise ConfigError(
                 "kvzip scores come from its pass over the request's prompt, which did not run: prefill through "
                 "the wrapped model's generate or mm_oval.wrapper.prefill"
             )
-        s = state.scores[ctx.layer_idx]
+        return state
+
+    def score(self, ctx: PrefillContext) -> torch.Tensor:
+        s = self._prepared(ctx.request).scores[ctx.layer_idx]
         if s.shape != ctx.keys.shape[:3]:
             raise ConfigError(
                 f"kvzip: its pre-pass scored {tuple(s.shape)} tokens per layer but layer {ctx.layer_idx} holds "
