@@ -3,8 +3,10 @@
 # tasks (eval/longtext.py), question-agnostic (--compress context: the context is prefilled and compressed
 # before the question is read), KVP with the agents fitted to SmolLM2 (smollm2-context). Default: the single
 # pass key at ~1k tokens, the first 10 contexts of the bundled dev set, 5 / 10 / 25 / 50% of the context KV;
-# retrieval at equal bytes read per decode step. Each cell resumes; the table and plot land in
-# docs/results/<task>_smollm2.md / .png. KVzip and retrieval cells cost the most.
+# retrieval at equal bytes read per decode step. KVzip runs twice: with the same budget in every layer
+# (mm-oval's default) and with its own allocation over every layer and head (layerwise=false). Each cell
+# resumes; the table and plot land in docs/results/<task>_smollm2.md / .png. KVzip and retrieval cells cost
+# the most.
 #
 #   scripts/sweep_smollm2.sh                       # TASK=passkey_1k LIMIT=10 BUDGETS=0.05,0.1,0.25,0.5
 #   TASK=needle_1k BUDGETS=0.05,0.1,0.25,0.5 scripts/sweep_smollm2.sh
@@ -18,7 +20,7 @@ TASK=${TASK:-passkey_1k}
 OUT=${OUT:-runs/smollm2}
 BUDGETS=${BUDGETS:-0.05,0.1,0.25,0.5}
 mkdir -p "$OUT" docs/results
-EVICTION=(expected_attention kvzip snapkv tova h2o streamingllm random knorm keydiff pyramidkv adakv
+EVICTION=(expected_attention kvzip kvzip:layerwise=false snapkv tova h2o streamingllm random knorm keydiff pyramidkv adakv
           adakv:scorer=expected_attention fastv kvp:agents=smollm2-context ${EXTRA_EVICTION:-})
 # OVAL (compact, rank 8 and rank 2), Quest (float and compact), and router v2 over compact OVAL rank 2
 RETRIEVAL=(oval:read_bytes_budget oval:read_bytes_budget,rank=2 quest:read_bytes_budget
