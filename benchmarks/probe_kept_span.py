@@ -17,7 +17,8 @@ and to the cue's tokens, and whether the method's own greedy answer scores.
 `future_oracle` (a diagnostic registered in this script's process only: it reads the future) keeps, per layer
 and KV head, the tokens the full cache's own question and greedy answer pay the most attention, summed over
 those queries (`reduce=sum`: exactly the utility KVP's agents are trained to rank by) or their largest
-(`reduce=max`): what a perfect KVP would keep. `layerwise=false` ranks every layer's tokens together, as
+(`reduce=max`): what a perfect KVP would keep; `reduce=question` sums only the question's queries (the last
+of which chooses the answer's first token). `layerwise=false` ranks every layer's tokens together, as
 KVzip's own allocation (`kvzip:layerwise=false`).
 """
 
@@ -64,14 +65,18 @@ def kept_masks(cache, n: int) -> list[torch.Tensor]:
     return out
 
 
-def answer_attention(model, ids: torch.Tensor, n: int, kv_heads: int) -> tuple[list[torch.Tensor], dict]:
+def answer_attention(
+    model, ids: torch.Tensor, n: int, kv_heads: int, n_question: int
+) -> tuple[list[torch.Tensor], dict]:
     """Per layer, (KV heads, n): the attention the positions after the head (question and answer) pay the
     head's n positions, summed over those queries and each KV head's query heads, normalised per KV head.
     Also the future's utility of each head position per layer, (KV heads, n), max over each KV head's query
     heads of the attention, reduced over the future's queries by `sum` (KVP's training target) and by `max`
-    (the largest attention any one future query pays it, as KVzip scores its reconstruction's queries)."""
+    (the largest attention any one future query pays it, as KVzip scores its reconstruction's queries), and
+    by `question`: the sum over the question's `n_question` queries only (those whose last one chooses the
+    answer's first token)."""
     out = model(input_ids=ids, output_attentions=True, use_cache=False, logits_to_keep=1)
-    per_layer, utility = [], {"sum": [], "max": []}
+    per_layer, utility = [], {"sum": [], "max": [], "question": []}
     for att in out.attentions:  # (1, query heads, T, T)
         fut = att[0, :, n:, :n].float()  # (query heads, future queries, n)
         summed = fut.sum(1).reshape(kv_heads, -1, n)  # (KV heads, group, n)
@@ -79,6 +84,7 @@ def answer_attention(model, ids: torch.Tensor, n: int, kv_heads: int) -> tuple[l
         per_layer.append(a / a.sum(-1, keepdim=True))
         utility["sum"].append(summed.amax(1))
         utility["max"].append(fut.amax(1).reshape(kv_heads, -1, n).amax(1))
+        utility["question"].append(fut[:, :n_question].sum(1).reshape(kv_heads, -1, n).amax(1))
     return per_layer, utility
 
 
@@ -157,7 +163,7 @@ def main() -> None:
             raise SystemExit(f"{it.id}: its answer {it.meta[field]!r} is not spelled out in the context")
         ids = torch.cat([head, tail], dim=1)
         seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen)
-        att, utility = answer_attention(model, seq[:, :-1], head.shape[1], kv_heads)
+        att, utility = answer_attention(model, seq[:, :-1], head.shape[1], kv_heads, tail.shape[1])
         prompts.append((it, head, ids, span, cue_tokens(tok, head[0].tolist(), span[0]), att, utility))
     model.set_attn_implementation("sdpa")
     rows = []
