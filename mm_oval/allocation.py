@@ -21,7 +21,9 @@ class Allocation:
     """How the kept tokens of a request are divided. `pyramid_beta`: None keeps the same count in every
     layer, a number >= 1 the PyramidKV schedule of that steepness. `share_heads`: the heads of a layer
     share their budget (AdaKV), each keeping at least `floor(alpha_safeguard x k)` of its uniform count k.
-    `across_layers`: every layer's KV heads share one budget, `layers x Hkv x k` tokens ranked together by
+    `layer_weights`: one weight per layer (averaging 1): layer l keeps `weight_l x` the uniform count beyond
+    the protected tokens, capped at what it holds, the total unchanged (`weighted_counts`; KVP's learned
+    per-layer budget). `across_layers`: every layer's KV heads share one budget, `layers x Hkv x k` tokens ranked together by
     score (KVzip's default allocation, kvpress's `layerwise=False`): a layer whose tokens score higher keeps
     more. It needs every layer's scores before the first layer is compressed (`all_layer_scores`) on one
     scale across layers and heads; the protected tokens stay in every head."""
@@ -30,6 +32,23 @@ class Allocation:
     share_heads: bool = False
     alpha_safeguard: float = 0.0
     across_layers: bool = False
+    layer_weights: tuple[float, ...] | None = None
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether each layer's count depends on its place among the layers (a schedule or weights)."""
+        return self.pyramid_beta is not None or self.layer_weights is not None
+
+    def layer_counts(self, free: torch.Tensor, decidable: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """(..., num_layers): each layer's count beyond the protected tokens under the schedule or weights."""
+        if self.layer_weights is not None:
+            if len(self.layer_weights) != num_layers:
+                raise ConfigError(
+                    f"per-layer budget weights for {len(self.layer_weights)} layers, but {num_layers} layers "
+                    "evict: use the weights fitted for this model"
+                )
+            return weighted_counts(free, decidable, self.layer_weights)
+        return pyramid_counts(free, decidable, num_layers, float(self.pyramid_beta))
 
     def with_head_budget(self, head_budget: str) -> Allocation:
         """The configuration's `head_budget="shared"` folded in: the heads share (AdaKV with alpha 0)."""
@@ -84,6 +103,36 @@ def pyramid_counts(free: torch.Tensor, decidable: torch.Tensor, num_layers: int,
     )
     counts = counts + sign * (rank < diff.abs().unsqueeze(-1)).double()
     return counts.long()
+
+
+def weighted_counts(free: torch.Tensor, decidable: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
+    """Each layer's count beyond the protected tokens under per-layer weights: `free` (...,) tokens each layer
+    keeps under the uniform budget out of `decidable` (...,) -> (..., L) long summing to exactly `L x free`
+    (when L x free <= L x decidable). Layer l gets `w_l / sum(w) x L x free`, capped at `decidable`; what a
+    capped layer cannot take goes to the others in proportion to their weights (water-filling), and the
+    rounding remainder to the layers with the largest fractional parts that have room."""
+    w = torch.tensor(weights, dtype=torch.float64, device=free.device).clamp(min=0)
+    L = w.numel()
+    c = free.double().unsqueeze(-1)  # (..., 1)
+    d = decidable.double().unsqueeze(-1).expand(*free.shape, L)
+    total = (L * c).minimum(L * d[..., :1])
+    capped = torch.zeros_like(d, dtype=torch.bool)
+    x = torch.zeros_like(d)
+    for _ in range(L):  # each round caps at least one more layer, or ends
+        ww = w.expand_as(d).masked_fill(capped, 0.0)
+        rest = total - torch.where(capped, d, torch.zeros_like(d)).sum(-1, keepdim=True)
+        share = ww / ww.sum(-1, keepdim=True).clamp(min=1e-12) * rest
+        x = torch.where(capped, d, share)
+        over = (x > d) & ~capped
+        if not bool(over.any()):
+            break
+        capped |= over
+    counts = torch.floor(x + 1e-9).minimum(d)
+    short = (total.squeeze(-1) - counts.sum(-1)).round().long()  # (...,)
+    gap = (x - counts).masked_fill(counts >= d, float("-inf"))
+    order = gap.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(L, device=d.device).expand_as(order))
+    return (counts + (rank < short.unsqueeze(-1)).double()).long()
 
 
 def shared_head_keep(

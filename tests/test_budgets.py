@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import mm_oval
+from mm_oval.allocation import weighted_counts
 from mm_oval.cache import choose_kept, request_info
 from mm_oval.config import OvalConfig
 from mm_oval.policies.base import (
@@ -90,6 +91,62 @@ def test_pyramid_schedule_totals_are_exact_and_fall_with_depth():
         assert int((ours - theirs).abs().sum()) == 1
     with pytest.raises(mm_oval.ConfigError, match="beta must be"):
         make_eviction("pyramidkv", beta=0.5)
+
+
+def test_weighted_layer_counts_follow_the_weights_within_caps_and_keep_the_total():
+    # hand-worked: weights 3, 1, 1, 0.5, 0.5 (sum 6) over 5 x 10 = 50 tokens, a layer holds at most 25: the
+    # first layer's 25 fits; 8.33, 8.33, 4.17, 4.17 round down to 24 and the remainder goes to the largest
+    # fraction (ties: the lower layer)
+    w = (3.0, 1.0, 1.0, 0.5, 0.5)
+    assert weighted_counts(torch.tensor([10]), torch.tensor([25]), w)[0].tolist() == [25, 9, 8, 4, 4]
+    # caps: the first layer wants 60 of 100 but holds 22; layers 2-3 then want 26 each, hold 22; 34 left
+    assert weighted_counts(torch.tensor([20]), torch.tensor([22]), w)[0].tolist() == [22, 22, 22, 17, 17]
+    g = torch.Generator().manual_seed(0)
+    d = torch.randint(1, 700, (300,), generator=g)
+    c = (torch.rand(300, generator=g) * (d + 1)).long().clamp(max=d)
+    for weights in [
+        (1.0,) * 6,
+        (4.0, 1.0, 0.2, 0.2, 0.3, 0.3),
+        tuple(torch.rand(30, generator=g).add(0.05).tolist()),
+    ]:
+        out = weighted_counts(c, d, weights)
+        assert (out.sum(-1) == len(weights) * c).all()
+        assert ((out >= 0) & (out <= d.unsqueeze(-1))).all()
+        if len(set(weights)) == 1:
+            assert (out == c.unsqueeze(-1)).all()  # equal weights: the uniform budget
+
+
+def test_kvp_layer_budget_divides_the_uniform_total_by_the_fitted_weights(
+    tiny_random_llava, inputs, tmp_path
+):
+    """`kvp:layer_budget=true`: each layer keeps its weight times the uniform count beyond the protected
+    tokens (the same total); a missing or malformed weights file, or a wrapper over it, is a clear error."""
+    import json
+
+    from mm_oval.policies.kvp import KVPAgentConfig, KVPAgents, save_agents
+
+    model, _ = tiny_random_llava
+    lm = model.model.language_model.config
+    L, H = lm.num_hidden_layers, lm.num_key_value_heads
+    save_agents(KVPAgents(KVPAgentConfig(num_layers=L, num_kv_heads=H, head_dim=lm.head_dim)), tmp_path, {})
+    spec = f"kvp:agents={tmp_path},layer_budget=true"
+    with pytest.raises(mm_oval.ConfigError, match="kvp_layer_budget.py"):
+        make_eviction("kvp", agents=str(tmp_path), layer_budget=True)
+    (tmp_path / "layer_budget.json").write_text(json.dumps({"weights": [1.0] * (L - 1)}))
+    with pytest.raises(mm_oval.ConfigError, match=f"{L} positive numbers"):
+        make_eviction("kvp", agents=str(tmp_path), layer_budget=True)
+    weights = [2.5] + [0.5] * (L - 1)
+    (tmp_path / "layer_budget.json").write_text(json.dumps({"weights": weights}))
+    with pytest.raises(mm_oval.ConfigError, match="layer_budget=false"):
+        make_eviction("pyramidkv", scorer="kvp", agents=str(tmp_path), layer_budget=True)
+    kw = dict(budget=0.25, text_budget=0.5)
+    counts, info, _ = _run(model, inputs, spec, **kw)
+    per_head = _uniform_counts(info, **kw)  # (B, 2), protected inside
+    prot = torch.stack([(info.protected & (info.modality == m)).sum(-1) for m in (IMAGE, TEXT)], -1)
+    n = torch.stack([(info.modality == m).sum(-1) for m in (IMAGE, TEXT)], -1)
+    want = prot + weighted_counts(per_head - prot, n - prot, tuple(weights)).movedim(-1, 0)  # (L, B, 2)
+    assert (counts == want.unsqueeze(2)).all()  # (L, B, H, 2): every head of a layer keeps its count
+    assert (counts[0] > counts[1]).any() and (counts.sum(0) == L * per_head.unsqueeze(1)).all()
 
 
 # ---- hand-worked choices against SnapKV and KeyDiff --------------------------------------------------

@@ -70,7 +70,7 @@ def choose_tokens(
     if alloc.across_layers:
         return kept_across_layers(layer, policy) & valid
     rank, n_evicting = 0, 1
-    if alloc.pyramid_beta is not None:  # only a per-layer schedule needs the layer's place
+    if alloc.per_layer:  # only a per-layer schedule or weights need the layer's place
         evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
         rank, n_evicting = evicting.index(layer.layer_idx), len(evicting)
     return choose_kept(scores, info, cfg, alloc, rank, n_evicting) & valid
@@ -121,7 +121,7 @@ def image_keep(layer: Any, alloc: Allocation) -> int | None:
     schedule, one budget over all tokens)."""
     cfg, info = layer.owner.config, layer.owner.info
     alloc = alloc.with_head_budget(cfg.head_budget)
-    if cfg.eviction_scope == "all" or alloc.pyramid_beta is not None or alloc.across_layers:
+    if cfg.eviction_scope == "all" or alloc.per_layer or alloc.across_layers:
         return None
     image = info.modality == IMAGE
     n = image.sum(-1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..allocation import Allocation, pyramid_counts, shared_head_keep
+from ..allocation import Allocation, shared_head_keep
 from ..config import OvalConfig
 from ..core import IMAGE, PAD, TEXT, budget_count, topk_mask
 from ..errors import ConfigError
@@ -99,8 +99,8 @@ def choose_kept(
     keep = torch.zeros_like(prot)
     for eligible, k, p, n in groups:
         k = torch.maximum(k, p)  # (B,) tokens per head
-        if alloc.pyramid_beta is not None:  # this layer's share of the layers' total beyond the protected
-            k = p + pyramid_counts(k - p, n - p, num_layers, alloc.pyramid_beta)[:, layer]
+        if alloc.per_layer:  # this layer's share of the layers' total beyond the protected
+            k = p + alloc.layer_counts(k - p, n - p, num_layers)[:, layer]
         if alloc.share_heads:
             keep |= shared_head_keep(s, eligible, k, alloc.alpha_safeguard)
         else:

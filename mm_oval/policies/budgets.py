@@ -90,6 +90,11 @@ class BudgetPolicy(EvictionPolicy):
                 f"(layerwise=false), which leaves no per-layer budget for {self.name} to divide: use "
                 f"{self.scorer.name!r} alone, or give it layerwise=true"
             )
+        if isinstance(inner, Allocation) and inner.layer_weights is not None:
+            raise ConfigError(
+                f"{self.name}: its scorer {self.scorer.name!r} divides the budget over the layers itself "
+                f"(layer_budget=true): use {self.scorer.name!r} alone, or give it layer_budget=false"
+            )
 
     @property
     def allocation(self) -> Allocation:

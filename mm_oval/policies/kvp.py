@@ -16,14 +16,17 @@ Plackett-Luce mass), so they can also be ranked jointly across the heads of a la
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import ModelError
+from ..allocation import Allocation
+from ..errors import ConfigError, ModelError
 from .base import EvictionPolicy, PrefillContext, RequestState, register_eviction
 from .kvp_agents import KVPAgentConfig, KVPAgents
 from .kvp_io import (
@@ -98,7 +101,14 @@ class KVPPolicy(EvictionPolicy):
         check_weights: bool = True,
         redundancy: float | None = None,
         sigma: float | None = None,
+        layer_budget: bool = False,
     ):
+        if not isinstance(layer_budget, bool):
+            raise ConfigError(
+                f"kvp: layer_budget must be true (the per-layer budget fitted with the agents) or false (the same "
+                f"count in every layer), got {layer_budget!r}"
+            )
+        self.layer_budget = layer_budget
         if isinstance(agents, KVPAgents):
             loaded = LoadedAgents(agents, {}, {}, "<in-memory>")
         elif isinstance(agents, LoadedAgents):
@@ -121,12 +131,21 @@ class KVPPolicy(EvictionPolicy):
     def _use(self, loaded: LoadedAgents) -> None:
         self.loaded = loaded
         self.agents = loaded.agents.eval()
+        self.layer_weights = (
+            load_layer_budget(loaded, self.agents.config.num_layers) if self.layer_budget else None
+        )
         # the agents' recorded selection (kvp_config.json "selection"), each setting overridable
         rec = RedundancySelection.from_dict(loaded.selection, f"{loaded.source} selection")
         redundancy, sigma = self._overrides
         self.selection = RedundancySelection(
             rec.redundancy if redundancy is None else redundancy, rec.sigma if sigma is None else sigma
         )
+
+    @property
+    def allocation(self) -> Allocation | None:
+        """With `layer_budget`, the agents' per-layer weights (`Allocation.layer_weights`); else None (the
+        configuration's allocation)."""
+        return None if self.layer_weights is None else Allocation(layer_weights=self.layer_weights)
 
     def bind(self, model: Any) -> None:
         """Check the agents against `model` at once (shape, and weights unless `check_weights=False`);
@@ -231,3 +250,30 @@ class KVPPolicy(EvictionPolicy):
         raw = self.agents.score_layer(layer_idx, keys, values, positions, modality, image_rc)
         lse = request.state_of(self).log_partition.get(layer_idx) if request is not None else None
         return raw - lse if lse is not None else raw
+
+
+LAYER_BUDGET_FILE = "layer_budget.json"
+
+
+def load_layer_budget(loaded: LoadedAgents, num_layers: int) -> tuple[float, ...]:
+    """The per-layer weights fitted beside the agents (`<agents dir>/layer_budget.json`, "weights": one
+    positive number per layer), for `layer_budget=true`; a clear error when missing or malformed."""
+    path = Path(loaded.source) / LAYER_BUDGET_FILE
+    how = f"fit it with `python benchmarks/kvp_layer_budget.py --out {path}`, or leave layer_budget=false"
+    if not path.is_file():
+        raise ConfigError(
+            f"kvp: layer_budget=true needs {path}, the per-layer budget for these agents: {how}"
+        )
+    try:
+        weights = json.loads(path.read_text())["weights"]
+        ok = len(weights) == num_layers and all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
+            for w in weights
+        )
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f'kvp: {path} must hold "weights": {num_layers} positive numbers (one per layer of the agents): {how}'
+        )
+    return tuple(float(w) for w in weights)
