@@ -23,10 +23,11 @@ class Allocation:
     share their budget (AdaKV), each keeping at least `floor(alpha_safeguard x k)` of its uniform count k.
     `layer_weights`: one weight per layer (averaging 1): layer l keeps `weight_l x` the uniform count beyond
     the protected tokens, capped at what it holds, the total unchanged (`weighted_counts`; KVP's learned
-    per-layer budget). `across_layers`: every layer's KV heads share one budget, `layers x Hkv x k` tokens ranked together by
-    score (KVzip's default allocation, kvpress's `layerwise=False`): a layer whose tokens score higher keeps
-    more. It needs every layer's scores before the first layer is compressed (`all_layer_scores`) on one
-    scale across layers and heads; the protected tokens stay in every head."""
+    per-layer budget). `across_layers`: every layer's KV heads share one budget, `layers x Hkv x k` tokens
+    ranked together by score (KVzip's default allocation, kvpress's `layerwise=False`): a layer whose
+    tokens score higher keeps more. It needs every layer's scores before the first layer is compressed
+    (`all_layer_scores`), on one scale across layers and heads, and a policy that leaves no layer whole;
+    the protected tokens stay in every head."""
 
     pyramid_beta: float | None = None
     share_heads: bool = False

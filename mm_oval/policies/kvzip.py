@@ -39,9 +39,10 @@ long as C): about twice the prefill's language-model work before the prefill its
 (`benchmarks/bench_overhead.py` prints the ratio at LLaVA-1.5-7B's layer shape).
 
 Options: `layerwise` (True: the same budget in every layer, mm-oval's default; False: KVzip's own,
-ranked across every layer and head), `context_chunk` (context tokens reconstructed per forward, default 2048 as kvpress),
-`repeat_prompt` and `continue_prompt` (the two repeat prompts' text), `n_sink` (4), `tokenizer` (a
-folder or hub id to encode the repeat prompts with; default the model's own, from `name_or_path`).
+ranked across every layer and head), `context_chunk` (context tokens reconstructed per forward, default
+2048 as kvpress), `repeat_prompt` and `continue_prompt` (the two repeat prompts' text), `n_sink` (4),
+`tokenizer` (a folder or hub id to encode the repeat prompts with; default the model's own, from
+`name_or_path`).
 """
 
 from __future__ import annotations
