@@ -23,6 +23,7 @@ from mm_oval.eval import longtext
 from mm_oval.eval.textgen import split_prompt
 from probe_kept_span import answer_attention
 
+from mm_oval.core import budget_count
 from mm_oval.files import atomic_write_json
 from mm_oval.modelfiles import load_model
 from mm_oval.training.traces import LONGTEXT_LENGTHS, LONGTEXT_SEED_BASE
@@ -67,9 +68,8 @@ def main() -> None:
             u = u[:, :, free]
             m = int(free.sum())
             for b in budgets:
-                k = max(
-                    0, -(-int(n * b * 1e6) // 1_000_000) - args.sinks - args.recent
-                )  # per head, beyond protected
+                # per head, beyond the protected tokens: the harness's count of the budget (rounded up)
+                k = max(0, int(budget_count(b, torch.tensor(n))) - args.sinks - args.recent)
                 top = u.flatten().topk(L * H * k).indices
                 kept = torch.zeros(L * H * m, dtype=torch.bool)
                 kept[top] = True
