@@ -4,7 +4,8 @@ On training contexts of the long-context text tasks (eval/longtext.py's generato
 never the dev set's), question-agnostic as the harness runs them, it computes KVP's own target (the attention
 the full cache's question and greedy answer pay each context token, summed over those queries, max over each
 KV head's query heads: the utility KVP's agents learn to rank by), ranks every (layer, KV head, token) of a
-context together at each of `--budgets` of the context KV (the protected tokens apart), and records the share
+context together at each of `--budgets` of the context KV (the cache's own choice, `choose_kept` over every
+layer's heads at once, as `kvzip:layerwise=false`; the protected tokens apart), and records the share
 of its tokens each layer keeps. A layer's weight is its mean share over the contexts and budgets divided by
 the mean over the layers (so the weights average 1); `kvp:layer_budget=true` then gives layer l
 `weight_l x` the uniform count (beyond the protected tokens, capped at what the layer holds, the total
@@ -23,7 +24,9 @@ from mm_oval.eval import longtext
 from mm_oval.eval.textgen import split_prompt
 from probe_kept_span import answer_attention
 
-from mm_oval.core import budget_count
+from mm_oval.allocation import Allocation
+from mm_oval.cache import choose_kept, request_info
+from mm_oval.config import OvalConfig
 from mm_oval.files import atomic_write_json
 from mm_oval.modelfiles import load_model
 from mm_oval.training.traces import LONGTEXT_LENGTHS, LONGTEXT_SEED_BASE
@@ -62,18 +65,15 @@ def main() -> None:
             _, utility = answer_attention(model, seq[:, :-1], head.shape[1], kv_heads, tail.shape[1])
             u = torch.stack(utility["sum"])  # (L, Hkv, n)
             L, H, n = u.shape
-            free = torch.ones(n, dtype=torch.bool)
-            free[: args.sinks] = False
-            free[n - args.recent :] = False
-            u = u[:, :, free]
-            m = int(free.sum())
+            # the cache's own choice over every layer (what `layerwise=false` keeps): sinks and recent window
+            # in every head, the rest ranked together
+            info = request_info(head, None, None, 1, args.sinks, args.recent)  # text only: no image tokens
+            free = ~info.protected[0]
             for b in budgets:
-                # per head, beyond the protected tokens: the harness's count of the budget (rounded up)
-                k = max(0, int(budget_count(b, torch.tensor(n))) - args.sinks - args.recent)
-                top = u.flatten().topk(L * H * k).indices
-                kept = torch.zeros(L * H * m, dtype=torch.bool)
-                kept[top] = True
-                shares[b].append(kept.view(L, H, m).float().mean((1, 2)))
+                cfg = OvalConfig(method="kvzip", method_options={"layerwise": False}, budget=b, text_budget=b,
+                                 sink_tokens=args.sinks, recent_tokens=args.recent)  # fmt: skip
+                kept = choose_kept(u.reshape(1, L * H, n), info, cfg, Allocation(share_heads=True))
+                shares[b].append(kept.view(L, H, n)[:, :, free].float().mean((1, 2)))
             n_ctx += 1
             print(f"{kind} {it.group}: {n} tokens ({time.time() - t0:.0f} s)", flush=True)
     per_budget = {b: torch.stack(v).mean(0) for b, v in shares.items()}
