@@ -107,9 +107,6 @@ class FutureOracle(EvictionPolicy):
     def allocation(self) -> Allocation | None:
         return None if self.layerwise else Allocation(share_heads=True, across_layers=True)
 
-    def all_layer_scores(self, request) -> list[torch.Tensor]:
-        return [u[None] for u in FUTURE[self.reduce]]
-
     def score(self, ctx: PrefillContext) -> torch.Tensor:
         u = FUTURE[self.reduce][ctx.layer_idx].to(ctx.keys.device)  # (Hkv, n)
         if ctx.keys.shape[0] != 1 or u.shape[-1] != ctx.keys.shape[2]:

@@ -25,9 +25,9 @@ class Allocation:
     the protected tokens, capped at what it holds, the total unchanged (`weighted_counts`; KVP's learned
     per-layer budget). `across_layers`: every layer's KV heads share one budget, `layers x Hkv x k` tokens
     ranked together by score (KVzip's default allocation, kvpress's `layerwise=False`): a layer whose
-    tokens score higher keeps more. It needs every layer's scores before the first layer is compressed
-    (`all_layer_scores`), on one scale across layers and heads, and a policy that leaves no layer whole;
-    the protected tokens stay in every head."""
+    tokens score higher keeps more. It needs scores on one scale across layers and heads; the layers are
+    compressed together once the last has scored (`mm_oval.cache.prefill.finish_across_layers`); the
+    protected tokens stay in every head."""
 
     pyramid_beta: float | None = None
     share_heads: bool = False

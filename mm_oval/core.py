@@ -47,9 +47,9 @@ class RequestState:
     prepared: Any = None
     # the cache's page layout when nothing is evicted (every layer the same, built once per request)
     full_layout: Any = None
-    # (B, layers x Hkv, N) bool: every layer's kept tokens when the budget is ranked across the layers
-    # (`Allocation.across_layers`), chosen once, at the first layer's prefill
-    kept_across_layers: Any = None
+    # layer -> (B, Hkv, N): each layer's prefill scores while they wait for the other layers' when the budget
+    # is ranked across the layers (`Allocation.across_layers`); emptied once the choice is made
+    layer_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     # `time.perf_counter()` when the request started (before the vision tower and the policy's own pass)
     started: float | None = None
     # True while the wrapped model's `generate` runs the request: it computes the stats once, at its end

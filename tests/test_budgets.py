@@ -149,6 +149,61 @@ def test_kvp_layer_budget_divides_the_uniform_total_by_the_fitted_weights(
     assert (counts[0] > counts[1]).any() and (counts.sum(0) == L * per_head.unsqueeze(1)).all()
 
 
+def test_kvp_layerwise_false_ranks_every_layer_and_head_together(tiny_random_llava, inputs, tmp_path):
+    """`kvp:layerwise=false`: per sample and modality, the tokens kept beyond the protected ones over every
+    layer and KV head are exactly the top `layers x Hkv x (k - p)` of the agents' scores of all layers
+    (scored layer by layer, chosen after the last), so the layers keep different counts at the uniform
+    total; generation runs on it. With `layer_budget=true`, or under a budget wrapper, it is refused."""
+    from mm_oval.policies.kvp import KVPAgentConfig, KVPAgents, KVPPolicy, save_agents
+
+    model, _ = tiny_random_llava
+    lm = model.model.language_model.config
+    L, H = lm.num_hidden_layers, lm.num_key_value_heads
+    torch.manual_seed(0)
+    save_agents(KVPAgents(KVPAgentConfig(num_layers=L, num_kv_heads=H, head_dim=lm.head_dim)), tmp_path, {})
+    with pytest.raises(mm_oval.ConfigError, match="choose one"):
+        make_eviction("kvp", agents=str(tmp_path), layer_budget=True, layerwise=False)
+    with pytest.raises(mm_oval.ConfigError, match="layerwise=true"):
+        make_eviction("adakv", scorer="kvp", agents=str(tmp_path), layerwise=False)
+
+    class Recording(KVPPolicy):
+        seen: dict = {}
+
+        def score(self, ctx):
+            self.seen[ctx.layer_idx] = s = super().score(ctx)
+            return s
+
+    policy = Recording(agents=str(tmp_path), layerwise=False)
+    kw = dict(budget=0.25, text_budget=0.5)
+    mm_oval.wrap(model, OvalConfig.from_spec("kvp", **kw), eviction_policy=policy)
+    try:
+        cache = prefill(model, **inputs)
+        info, N = cache.info, cache.info.modality.shape[1]
+        kept = torch.zeros(info.modality.shape[0], L, H, N, dtype=torch.bool)  # (B, L, H, N) prompt indices
+        for li, layer in enumerate(cache.layers):
+            for b in range(kept.shape[0]):
+                for h in range(H):
+                    kept[b, li, h, layer.slot_src[b, h][layer.slot_valid[b, h]]] = True
+        counts = _per_layer_counts(cache)  # (L, B, H, 2)
+        scores = torch.stack([policy.seen[i] for i in range(L)], 1)  # (B, L, H, N), as this prefill scored them
+        out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        assert out.shape == (2, inputs["input_ids"].shape[1] + 2)
+    finally:
+        mm_oval.unwrap(model)
+    per_head = _uniform_counts(info, **kw)  # (B, 2), protected inside
+    assert (counts.sum((0, 2)) == L * H * per_head).all()  # the uniform total over layers and heads
+    assert len(set(counts[:, 0, :, 0].flatten().tolist())) > 1  # the layers and heads keep different counts
+    for b in range(kept.shape[0]):
+        assert kept[b][:, :, info.protected[b]].all()  # the protected tokens, in every head of every layer
+        for m, col in ((IMAGE, 0), (TEXT, 1)):
+            free = (info.modality[b] == m) & ~info.protected[b]
+            n = L * H * int(per_head[b, col] - (info.protected[b] & (info.modality[b] == m)).sum())
+            top = scores[b].masked_fill(~free, float("-inf")).flatten().topk(n).indices
+            want = torch.zeros(L * H * N, dtype=torch.bool)
+            want[top] = True
+            assert torch.equal(kept[b] & free, want.view(L, H, N))
+
+
 # ---- hand-worked choices against SnapKV and KeyDiff --------------------------------------------------
 
 

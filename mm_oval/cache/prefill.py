@@ -1,8 +1,10 @@
 """The end of one layer's prefill, in steps: check the prompt, score its tokens with the eviction policy
-and keep the budget's top (`choose_tokens`), lay the kept tokens out in pages (`lay_out_pages`), compact
-them into the layer's storage (`PageStore.compact`), summarise the pages for the retrieval policy
-(`summaries.summarize`, through the layer's `_summarize`) and start the layer's counts (`ReadTelemetry.start`). `finish_prefill` runs them in
-that order; the attention over the whole prompt ran before, the model's own."""
+and keep the budget's top (`choose_tokens`), then `compress`: lay the kept tokens out in pages
+(`lay_out_pages`), compact them into the layer's storage (`PageStore.compact`), summarise the pages for the
+retrieval policy (`summaries.summarize`, through the layer's `_summarize`) and start the layer's counts
+(`ReadTelemetry.start`). `finish_prefill` runs them in that order; the attention over the whole prompt ran
+before, the model's own. A budget ranked across the layers waits for every layer's scores
+(`finish_across_layers`) and compresses the layers together after the last one."""
 
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ from .telemetry import ReadTelemetry
 
 
 def finish_prefill(layer: Any, query: torch.Tensor, module: Any, scaling: float) -> None:
-    """Compress `layer`'s prompt (its `keys`, `values` as the model's attention stored them) into pages."""
+    """Compress `layer`'s prompt (its `keys`, `values` as the model's attention stored them) into pages.
+    Under a budget ranked across the layers (`Allocation.across_layers`) the layer only scores its tokens
+    here; the last layer to score chooses for every layer and compresses them all (`finish_across_layers`),
+    so until then each layer holds its whole prompt, as the unwrapped model's cache does."""
     owner, info = layer.owner, layer.owner.info
-    keys, values = layer.keys, layer.values
+    keys = layer.keys
     B, H, N, D = keys.shape
     if info.modality.shape != (B, N):
         raise DataError(
@@ -32,6 +37,18 @@ def finish_prefill(layer: Any, query: torch.Tensor, module: Any, scaling: float)
     valid = (info.modality != PAD).unsqueeze(1).expand(B, H, N)
     hidden = owner.step.attention_inputs.pop(layer.layer_idx, None)  # kept when the policy asks for it
     keep = choose_tokens(layer, query, module, scaling, hidden, valid)
+    if keep is None:  # scored; kept once every layer has scored
+        layer.module = module
+        finish_across_layers(owner, valid)
+        return
+    compress(layer, keep, valid, module)
+
+
+def compress(layer: Any, keep: torch.Tensor, valid: torch.Tensor, module: Any) -> None:
+    """Lay the kept tokens out in pages, compact them into the layer's storage, summarise them for the
+    retrieval policy and start the layer's counts: the layer's prefill is done."""
+    owner, info = layer.owner, layer.owner.info
+    keys, values = layer.keys, layer.values
     lay = lay_out_pages(layer, keep, valid)
     layer.store = PageStore.compact(keys, values, lay, info, owner.config.text_page_size)
     layer.keys = layer.values = None  # the prompt's: the storage's views from now on
@@ -67,8 +84,9 @@ def choose_tokens(
             f"eviction method {policy.name!r} returned scores of shape {tuple(scores.shape)}, "
             f"expected {tuple(valid.shape)}"
         )
-    if alloc.across_layers:
-        return kept_across_layers(layer, policy) & valid
+    if alloc.across_layers:  # chosen with the other layers' (finish_across_layers)
+        owner.request.layer_scores[layer.layer_idx] = scores
+        return None
     rank, n_evicting = 0, 1
     if alloc.per_layer:  # only a per-layer schedule or weights need the layer's place
         evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
@@ -76,19 +94,23 @@ def choose_tokens(
     return choose_kept(scores, info, cfg, alloc, rank, n_evicting) & valid
 
 
-def kept_across_layers(layer: Any, policy: Any) -> torch.Tensor:
-    """This layer's slice of one choice over every layer (`Allocation.across_layers`): the layers' KV heads
-    ranked together as the heads of one layer are under a shared budget (`choose_kept`), from the scores the
-    policy holds for every layer (`policy.all_layer_scores(request)`, a list of (B, Hkv, N)), chosen at the
-    first layer that asks and kept in the request for the others."""
-    owner = layer.owner
-    req = owner.request
-    if req.kept_across_layers is None:
-        per_layer = policy.all_layer_scores(req)
-        joint = torch.cat([s.to(layer.keys.device) for s in per_layer], dim=1)
-        req.kept_across_layers = choose_kept(joint, owner.info, owner.config, Allocation(share_heads=True))
-    H = layer.keys.shape[1]
-    return req.kept_across_layers[:, layer.layer_idx * H : (layer.layer_idx + 1) * H]
+def finish_across_layers(owner: Any, valid: torch.Tensor) -> None:
+    """One choice over every layer (`Allocation.across_layers`): once every layer that evicts has scored its
+    prompt (`request.layer_scores`, (B, Hkv, N) each, on one scale across layers and heads), their KV heads
+    are ranked together as the heads of one layer are under a shared budget (`choose_kept`: `layers x Hkv
+    x k` tokens, the protected ones in every head) and each of those layers is compressed with its slice."""
+    policy, scores = owner.eviction, owner.request.layer_scores
+    evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
+    if any(i not in scores for i in evicting):
+        return
+    joint = torch.cat([scores[i].to(valid.device) for i in evicting], dim=1)
+    kept = choose_kept(joint, owner.info, owner.config, Allocation(share_heads=True))
+    scores.clear()
+    H = valid.shape[1]
+    for j, i in enumerate(evicting):
+        layer = owner.layers[i]
+        here = valid.to(layer.keys.device)  # a model split over devices: each layer's own
+        compress(layer, kept[:, j * H : (j + 1) * H].to(here.device) & here, here, layer.module)
 
 
 def prefill_context(

@@ -102,13 +102,24 @@ class KVPPolicy(EvictionPolicy):
         redundancy: float | None = None,
         sigma: float | None = None,
         layer_budget: bool = False,
+        layerwise: bool = True,
     ):
         if not isinstance(layer_budget, bool):
             raise ConfigError(
                 f"kvp: layer_budget must be true (the per-layer budget fitted with the agents) or false (the same "
                 f"count in every layer), got {layer_budget!r}"
             )
-        self.layer_budget = layer_budget
+        if not isinstance(layerwise, bool):
+            raise ConfigError(
+                f"kvp: layerwise must be true (each layer keeps its own budget) or false (every layer's and "
+                f"head's tokens ranked together by the agents' scores), got {layerwise!r}"
+            )
+        if layer_budget and not layerwise:
+            raise ConfigError(
+                "kvp: layer_budget=true (fitted per-layer counts) and layerwise=false (no per-layer counts: "
+                "every layer's tokens ranked together) are two divisions of one budget: choose one"
+            )
+        self.layer_budget, self.layerwise = layer_budget, layerwise
         if isinstance(agents, KVPAgents):
             loaded = LoadedAgents(agents, {}, {}, "<in-memory>")
         elif isinstance(agents, LoadedAgents):
@@ -143,8 +154,11 @@ class KVPPolicy(EvictionPolicy):
 
     @property
     def allocation(self) -> Allocation | None:
-        """With `layer_budget`, the agents' per-layer weights (`Allocation.layer_weights`); else None (the
-        configuration's allocation)."""
+        """With `layer_budget`, the agents' per-layer weights (`Allocation.layer_weights`); with
+        `layerwise=False`, every layer's and KV head's tokens ranked together by their scores
+        (`Allocation.across_layers`); else None (the configuration's allocation)."""
+        if not self.layerwise:
+            return Allocation(share_heads=True, across_layers=True)
         return None if self.layer_weights is None else Allocation(layer_weights=self.layer_weights)
 
     def bind(self, model: Any) -> None:

@@ -375,10 +375,6 @@ class KVzip(EvictionPolicy):
         """None (the configuration's) with `layerwise`; else every layer's tokens ranked together."""
         return None if self.layerwise else Allocation(share_heads=True, across_layers=True)
 
-    def all_layer_scores(self, request: Any) -> list[torch.Tensor]:
-        """Every layer's (B, Hkv, N) scores of this request (for `layerwise=False`)."""
-        return self._prepared(request).scores
-
     @staticmethod
     def _prepared(request: Any) -> KVzipRequest:
         state = request.prepared
