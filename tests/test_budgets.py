@@ -185,7 +185,8 @@ def test_kvp_layerwise_false_ranks_every_layer_and_head_together(tiny_random_lla
                 for h in range(H):
                     kept[b, li, h, layer.slot_src[b, h][layer.slot_valid[b, h]]] = True
         counts = _per_layer_counts(cache)  # (L, B, H, 2)
-        scores = torch.stack([policy.seen[i] for i in range(L)], 1)  # (B, L, H, N), as this prefill scored them
+        # (B, L, H, N): the scores as this prefill ranked them (generate's own prefill records its own)
+        scores = torch.stack([policy.seen[i] for i in range(L)], 1)
         out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
         assert out.shape == (2, inputs["input_ids"].shape[1] + 2)
     finally:
