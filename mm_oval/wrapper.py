@@ -58,7 +58,7 @@ from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .core import Rope
 from .errors import ConfigError
-from .geometry import GEOMETRY_INPUTS, MRope, family_of, image_geometry, is_text_only, language_model
+from .geometry import GEOMETRY_INPUTS, THW, MRope, family_of, image_geometry, is_text_only, language_model
 from .registry import make_eviction, make_retrieval
 from .telemetry import cache_stats
 
@@ -295,9 +295,20 @@ def prefill(model: Any, **inputs: Any) -> PagedMultimodalCache:
     """Run the prompt once (e.g. the image and a system text) and return the compressed cache. Then ask
     several questions: `model.generate(input_ids=prompt+question, attention_mask=..., cache=cache.copy())`
     (the question is not part of the compressed prefill; pass no pixel_values again). The model computes
-    the logits of the last prompt position only (`logits_to_keep=1`), not of every prompt token."""
+    the logits of the last prompt position only (`logits_to_keep=1`), not of every prompt token. A
+    left-padded batch gets the positions `generate` gives it (each sample's count of its valid tokens), so
+    its later tokens, read through `generate`, sit where they would without the split."""
     with torch.no_grad():
         has_ids = isinstance(inputs.get("input_ids"), torch.Tensor)
+        mask = inputs.get("attention_mask")
+        if (
+            has_ids
+            and isinstance(mask, torch.Tensor)
+            and inputs.get("position_ids") is None
+            and not bool(mask.all())
+            and family_of(model) != THW  # M-RoPE: the model's own rope index reads the mask
+        ):  # as GenerationMixin's prepare_inputs_for_generation, which a plain forward does not run
+            inputs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
         cache = new_request(model, **inputs) if has_ids else new_cache(model)
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             inputs.setdefault("logits_to_keep", 1)

@@ -636,3 +636,25 @@ def test_a_copy_of_a_cache_does_not_copy_the_decode_scratch_buffer(model_and_pro
     twin = cache.copy()
     assert cache._scratch is not None and twin._scratch is None
     torch.testing.assert_close(twin.layers[0].attend(q, D**-0.5), layer.attend(q, D**-0.5))
+
+
+def test_prefill_then_generate_on_a_left_padded_batch_equals_one_generate(model_and_processor, llava_batch):
+    """`prefill` (a prompt's head, e.g. the image) then `generate` over the whole prompt with a copy of that
+    cache gives what one `generate` gives, for the left-padded sample too: the prefill places each sample's
+    tokens at generate's positions (its count of valid tokens), not at their slots."""
+    model, _ = model_and_processor
+    texts = [
+        "USER: <image>\nwhat color is the circle ? ASSISTANT:",
+        "USER: <image>\nhow many red objects are there ? ASSISTANT:",
+    ]
+    inputs = llava_batch(texts, seed=3)
+    assert inputs["attention_mask"][0, 0] == 0  # the shorter prompt is padded on the left
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    head = dict(inputs, input_ids=ids[:, :-4], attention_mask=mask[:, :-4])
+    mm_oval.wrap(model, method="full")
+    kw = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    whole = model.generate(**inputs, **kw)
+    split = model.generate(input_ids=ids, attention_mask=mask, cache=prefill(model, **head).copy(), **kw)
+    assert torch.equal(split.sequences, whole.sequences)
+    for a, b in zip(split.scores, whole.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
