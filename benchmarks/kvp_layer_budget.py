@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from mm_oval.eval import longtext
@@ -30,6 +32,50 @@ from mm_oval.config import OvalConfig
 from mm_oval.files import atomic_write_json
 from mm_oval.modelfiles import load_model
 from mm_oval.training.traces import LONGTEXT_LENGTHS, LONGTEXT_SEED_BASE
+
+
+@dataclass
+class Future:
+    """One training context: its kind and group, the prompt's head (template + context) and the full cache's
+    future (question + greedy answer) after it, the future's utility of each head token per layer
+    (L, Hkv, n; KVP's target) and, with `keep_kv`, each layer's (keys, values) of the head, as the cache
+    stores them."""
+
+    kind: str
+    group: str
+    head: torch.Tensor
+    utility: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+
+@torch.no_grad()
+def training_futures(
+    model, tok, kinds, length: str, per_kind: int, keep_kv: bool = False
+) -> Iterator[Future]:
+    """The training contexts (eval/longtext.py's generator on KVP's training seed, one question per context)
+    with KVP's target: the attention the full cache's question and greedy answer pay each context token,
+    summed over those queries, max over each KV head's query heads."""
+    kv_heads = model.config.num_key_value_heads
+    spec = {"seed": LONGTEXT_SEED_BASE, "per_length": per_kind,
+            "lengths": {length: LONGTEXT_LENGTHS[length]}}  # fmt: skip
+    for kind in kinds:
+        budget_tokens = longtext.TASK_CLASSES[f"{kind}_1k"].max_new_tokens
+        seen = set()
+        for it in longtext.generate(kind, length, spec):
+            if it.group in seen:  # one question per context
+                continue
+            seen.add(it.group)
+            head, tail = split_prompt(tok, it, torch.device("cpu"))
+            ids = torch.cat([head, tail], dim=1)
+            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=budget_tokens, pad_token_id=tok.pad_token_id)  # fmt: skip
+            n = head.shape[1]
+            kv = None
+            if keep_kv:  # the head's keys and values as its own prefill stores them (causal: the same)
+                out = model(input_ids=head, use_cache=True, logits_to_keep=1)
+                kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+            _, utility = answer_attention(model, seq[:, :-1], n, kv_heads, tail.shape[1])
+            yield Future(kind, str(it.group), head, torch.stack(utility["sum"]), kv)
 
 
 @torch.no_grad()
@@ -46,36 +92,22 @@ def main() -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     model, tok = load_model("smollm2")
     model.set_attn_implementation("eager")
-    kv_heads = model.config.num_key_value_heads
-    spec = {"seed": LONGTEXT_SEED_BASE, "per_length": args.per_kind,
-            "lengths": {args.length: LONGTEXT_LENGTHS[args.length]}}  # fmt: skip
     shares: dict[float, list[torch.Tensor]] = {b: [] for b in budgets}
     t0, n_ctx = time.time(), 0
-    for kind in args.kinds.split(","):
-        budget_tokens = longtext.TASK_CLASSES[f"{kind}_1k"].max_new_tokens
-        seen = set()
-        for it in longtext.generate(kind, args.length, spec):
-            if it.group in seen:  # one question per context
-                continue
-            seen.add(it.group)
-            head, tail = split_prompt(tok, it, torch.device("cpu"))
-            ids = torch.cat([head, tail], dim=1)
-            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=budget_tokens, pad_token_id=tok.pad_token_id)  # fmt: skip
-            _, utility = answer_attention(model, seq[:, :-1], head.shape[1], kv_heads, tail.shape[1])
-            u = torch.stack(utility["sum"])  # (L, Hkv, n)
-            L, H, n = u.shape
-            # the cache's own choice over every layer (what `layerwise=false` keeps): sinks and recent window
-            # in every head, the rest ranked together
-            info = request_info(head, None, None, 1, args.sinks, args.recent)  # text only: no image tokens
-            free = ~info.protected[0]
-            for b in budgets:
-                cfg = OvalConfig(method="kvzip", method_options={"layerwise": False}, budget=b, text_budget=b,
-                                 sink_tokens=args.sinks, recent_tokens=args.recent)  # fmt: skip
-                kept = choose_kept(u.reshape(1, L * H, n), info, cfg, Allocation(share_heads=True))
-                shares[b].append(kept.view(L, H, n)[:, :, free].float().mean((1, 2)))
-            n_ctx += 1
-            print(f"{kind} {it.group}: {n} tokens ({time.time() - t0:.0f} s)", flush=True)
+    for ctx in training_futures(model, tok, args.kinds.split(","), args.length, args.per_kind):
+        head, u = ctx.head, ctx.utility
+        L, H, n = u.shape
+        # the cache's own choice over every layer (what `layerwise=false` keeps): sinks and recent window
+        # in every head, the rest ranked together
+        info = request_info(head, None, None, 1, args.sinks, args.recent)  # text only: no image tokens
+        free = ~info.protected[0]
+        for b in budgets:
+            cfg = OvalConfig(method="kvzip", method_options={"layerwise": False}, budget=b, text_budget=b,
+                             sink_tokens=args.sinks, recent_tokens=args.recent)  # fmt: skip
+            kept = choose_kept(u.reshape(1, L * H, n), info, cfg, Allocation(share_heads=True))
+            shares[b].append(kept.view(L, H, n)[:, :, free].float().mean((1, 2)))
+        n_ctx += 1
+        print(f"{ctx.kind} {ctx.group}: {n} tokens ({time.time() - t0:.0f} s)", flush=True)
     per_budget = {b: torch.stack(v).mean(0) for b, v in shares.items()}
     weights = torch.stack([s / s.mean() for s in per_budget.values()]).mean(0)
     atomic_write_json(args.out, {

@@ -205,6 +205,39 @@ def test_kvp_layerwise_false_ranks_every_layer_and_head_together(tiny_random_lla
             assert torch.equal(kept[b] & free, want.view(L, H, N))
 
 
+def test_kvp_calibrated_scores_are_each_heads_log_shares_at_its_fitted_temperature(tmp_path):
+    """`kvp:layerwise=false,calibrated=true`: a head's scores are `log_softmax(tau x raw)` with tau its
+    temperature from `<agents>/temperature.json` (so the heads' shares are on the fitted scale when ranked
+    together); the order within a head is the agents'. A missing or malformed file, or calibrated without
+    layerwise=false (where it would change nothing), is a clear error."""
+    import json
+
+    from mm_oval.policies.kvp import KVPAgentConfig, KVPAgents, KVPPolicy, save_agents
+
+    torch.manual_seed(1)
+    save_agents(KVPAgents(KVPAgentConfig(num_layers=2, num_kv_heads=2, head_dim=2)), tmp_path, {})
+    with pytest.raises(mm_oval.ConfigError, match="layerwise=false"):
+        make_eviction("kvp", agents=str(tmp_path), calibrated=True)
+    with pytest.raises(mm_oval.ConfigError, match="kvp_temperature.py"):
+        make_eviction("kvp", agents=str(tmp_path), layerwise=False, calibrated=True)
+    for bad in ([[1.0, 2.0]], [[1.0, -2.0], [1.0, 1.0]], [[True, 1.0], [1.0, 1.0]], "hot"):
+        (tmp_path / "temperature.json").write_text(json.dumps({"temperatures": bad}))
+        with pytest.raises(mm_oval.ConfigError, match="2 x 2 positive numbers"):
+            make_eviction("kvp", agents=str(tmp_path), layerwise=False, calibrated=True)
+    taus = [[0.5, 3.0], [2.0, 0.25]]
+    (tmp_path / "temperature.json").write_text(json.dumps({"temperatures": taus}))
+    cal = KVPPolicy(agents=str(tmp_path), layerwise=False, calibrated=True)
+    plain = KVPPolicy(agents=str(tmp_path), layerwise=False)
+    for layer in (0, 1):
+        ctx, _ = _hand_ctx(layer)
+        raw = plain.agents.score_layer(layer, ctx.keys, ctx.values, ctx.positions, ctx.modality, ctx.image_rc)
+        want = torch.log_softmax(raw * torch.tensor(taus[layer]).view(1, 2, 1), -1)
+        got = cal.score(ctx)
+        torch.testing.assert_close(got, want)
+        assert torch.equal(got.argsort(-1), plain.score(ctx).argsort(-1))  # the agents' order in each head
+        assert not torch.allclose(got, plain.score(ctx))
+
+
 # ---- hand-worked choices against SnapKV and KeyDiff --------------------------------------------------
 
 

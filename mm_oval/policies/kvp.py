@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +102,7 @@ class KVPPolicy(EvictionPolicy):
         sigma: float | None = None,
         layer_budget: bool = False,
         layerwise: bool = True,
+        calibrated: bool = False,
     ):
         if not isinstance(layer_budget, bool):
             raise ConfigError(
@@ -114,12 +114,22 @@ class KVPPolicy(EvictionPolicy):
                 f"kvp: layerwise must be true (each layer keeps its own budget) or false (every layer's and "
                 f"head's tokens ranked together by the agents' scores), got {layerwise!r}"
             )
+        if not isinstance(calibrated, bool):
+            raise ConfigError(
+                f"kvp: calibrated must be true (the per-head temperatures fitted beside the agents) or false, "
+                f"got {calibrated!r}"
+            )
+        if calibrated and layerwise:
+            raise ConfigError(
+                "kvp: calibrated=true rescales each head's scores for a ranking across heads and layers; within "
+                "one head it changes nothing: give it layerwise=false"
+            )
         if layer_budget and not layerwise:
             raise ConfigError(
                 "kvp: layer_budget=true (fitted per-layer counts) and layerwise=false (no per-layer counts: "
                 "every layer's tokens ranked together) are two divisions of one budget: choose one"
             )
-        self.layer_budget, self.layerwise = layer_budget, layerwise
+        self.layer_budget, self.layerwise, self.calibrated = layer_budget, layerwise, calibrated
         if isinstance(agents, KVPAgents):
             loaded = LoadedAgents(agents, {}, {}, "<in-memory>")
         elif isinstance(agents, LoadedAgents):
@@ -142,8 +152,10 @@ class KVPPolicy(EvictionPolicy):
     def _use(self, loaded: LoadedAgents) -> None:
         self.loaded = loaded
         self.agents = loaded.agents.eval()
-        self.layer_weights = (
-            load_layer_budget(loaded, self.agents.config.num_layers) if self.layer_budget else None
+        c = self.agents.config
+        self.layer_weights = load_layer_budget(loaded, c.num_layers) if self.layer_budget else None
+        self.temperatures = (
+            load_temperatures(loaded, c.num_layers, c.num_kv_heads) if self.calibrated else None
         )
         # the agents' recorded selection (kvp_config.json "selection"), each setting overridable
         rec = RedundancySelection.from_dict(loaded.selection, f"{loaded.source} selection")
@@ -217,9 +229,17 @@ class KVPPolicy(EvictionPolicy):
         agents = self.agents
         if agents.wk.device != ctx.keys.device:
             agents.to(ctx.keys.device)
-        return agents.score_layer(
+        raw = agents.score_layer(
             ctx.layer_idx, ctx.keys, ctx.values, ctx.positions, ctx.modality, ctx.image_rc
         )
+        return self._tempered(ctx.layer_idx, raw)
+
+    def _tempered(self, layer_idx: int, raw: torch.Tensor) -> torch.Tensor:
+        """`calibrated`: each head's raw scores times its fitted temperature (before the per-head
+        normalisation), so that their log shares stand for the head's share of the attention to come."""
+        if self.temperatures is None:
+            return raw
+        return raw * self.temperatures[layer_idx].to(raw.device, raw.dtype).view(1, -1, 1)
 
     @torch.no_grad()
     def score(self, ctx: PrefillContext) -> torch.Tensor:
@@ -261,33 +281,57 @@ class KVPPolicy(EvictionPolicy):
         request's ctx.request. Relative-position features see the new tokens as the prompt's most recent."""
         if image_rc is None:
             image_rc = torch.full((*positions.shape, 3), -1, dtype=torch.long, device=positions.device)
-        raw = self.agents.score_layer(layer_idx, keys, values, positions, modality, image_rc)
+        raw = self._tempered(
+            layer_idx, self.agents.score_layer(layer_idx, keys, values, positions, modality, image_rc)
+        )
         lse = request.state_of(self).log_partition.get(layer_idx) if request is not None else None
         return raw - lse if lse is not None else raw
 
 
 LAYER_BUDGET_FILE = "layer_budget.json"
+TEMPERATURE_FILE = "temperature.json"
+
+
+def _fitted_beside(
+    loaded: LoadedAgents, name: str, key: str, option: str, script: str, shape: tuple[int, ...]
+):
+    """The numbers `key` of `<agents dir>/name` (positive, finite, of `shape`) as a float tensor; a clear error
+    naming the command that fits them when the file is missing or malformed."""
+    path = Path(loaded.source) / name
+    how = f"fit it with `python benchmarks/{script} --out {path}`, or leave {option}=false"
+    if not path.is_file():
+        raise ConfigError(f"kvp: {option}=true needs {path}, fitted for these agents: {how}")
+    try:
+        data = json.loads(path.read_text())[key]
+        t = torch.tensor(data, dtype=torch.float64)
+        ok = tuple(t.shape) == shape and bool(torch.isfinite(t).all()) and bool((t > 0).all())
+        ok = ok and all(not isinstance(x, bool) for x in _flat(data))  # numbers, not booleans
+    except (ValueError, KeyError, TypeError, RuntimeError):
+        ok = False
+    if not ok:
+        what = " x ".join(str(n) for n in shape)
+        raise ConfigError(f'kvp: {path} must hold "{key}": {what} positive numbers for these agents: {how}')
+    return t
+
+
+def _flat(data):
+    for x in data:
+        yield from _flat(x) if isinstance(x, list) else (x,)
 
 
 def load_layer_budget(loaded: LoadedAgents, num_layers: int) -> tuple[float, ...]:
     """The per-layer weights fitted beside the agents (`<agents dir>/layer_budget.json`, "weights": one
     positive number per layer), for `layer_budget=true`; a clear error when missing or malformed."""
-    path = Path(loaded.source) / LAYER_BUDGET_FILE
-    how = f"fit it with `python benchmarks/kvp_layer_budget.py --out {path}`, or leave layer_budget=false"
-    if not path.is_file():
-        raise ConfigError(
-            f"kvp: layer_budget=true needs {path}, the per-layer budget for these agents: {how}"
-        )
-    try:
-        weights = json.loads(path.read_text())["weights"]
-        ok = len(weights) == num_layers and all(
-            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
-            for w in weights
-        )
-    except (ValueError, KeyError, TypeError):
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f'kvp: {path} must hold "weights": {num_layers} positive numbers (one per layer of the agents): {how}'
-        )
-    return tuple(float(w) for w in weights)
+    t = _fitted_beside(
+        loaded, LAYER_BUDGET_FILE, "weights", "layer_budget", "kvp_layer_budget.py", (num_layers,)
+    )
+    return tuple(float(w) for w in t)
+
+
+def load_temperatures(loaded: LoadedAgents, num_layers: int, num_kv_heads: int) -> torch.Tensor:
+    """The per-head temperatures fitted beside the agents (`<agents dir>/temperature.json`, "temperatures": one
+    positive number per layer and KV head), for `calibrated=true`; a clear error when missing or malformed."""
+    shape = (num_layers, num_kv_heads)
+    return _fitted_beside(
+        loaded, TEMPERATURE_FILE, "temperatures", "calibrated", "kvp_temperature.py", shape
+    ).float()
