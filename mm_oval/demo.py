@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # every method at its defaults, 4 sinks and 16 recent tokens)
 BENCHES = {
     "smollm2": {"model": "smollm2", "data": "bundled", "tasks": ("passkey_1k",),
-                "methods": ("snapkv", "keydiff", "kvp:agents=smollm2-context",
+                "methods": ("snapkv", "keydiff", "kvp:agents=smollm2-context,layerwise=false,calibrated=true",
                             "router2:read_bytes_budget,weights=smollm2-oval2"), "limit": 5,
                 "compress": "context",
                 "options": "", "what": "SmolLM2-135M-Instruct (real attention), long-context text"},

@@ -161,12 +161,16 @@ def test_the_bundled_smollm2_agents_load_on_smollm2_and_keep_the_budget(smollm2)
     model, tok = smollm2
     item = longtext.generate("passkey", "s", {"seed": 5, "per_length": 1, "lengths": {"s": 30}})[0]
     head, question = split_prompt(tok, item, torch.device("cpu"))
-    with mm_oval.wrapped(model, method="kvp", budget=0.25, method_options={"agents": "smollm2-context"}):
-        ids = torch.cat([head, question], 1)
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
-        stats = get_stats(model)
-    assert stats["method"] == "kvp" and stats["kv_fraction_kept"] == pytest.approx(0.25, abs=0.03)
-    assert not mm_oval.is_wrapped(model)
+    ids = torch.cat([head, question], 1)
+    for options in ({}, {"layerwise": False, "calibrated": True}):  # the default and the recommended division
+        opts = {"agents": "smollm2-context", **options}
+        with mm_oval.wrapped(model, method="kvp", budget=0.25, method_options=opts):
+            model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False
+            )
+            stats = get_stats(model)
+        assert stats["method"] == "kvp" and stats["kv_fraction_kept"] == pytest.approx(0.25, abs=0.03)
+        assert not mm_oval.is_wrapped(model)
 
 
 def test_reconstruction_utility_is_kvzips_score_and_mixed_needs_both(tiny_lm, byte_tokenizer, tmp_path):
