@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from kvp_layer_budget import training_futures
@@ -42,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = load_model("smollm2")
     model.set_attn_implementation("eager")
-    path = bundled_agents_path(name=args.agents) if "/" not in args.agents else args.agents
+    path = args.agents if Path(args.agents).is_dir() else bundled_agents_path(name=args.agents)
     agents = load_agents(path).agents.eval()
     taus = torch.logspace(
         torch.log10(torch.tensor(0.02)), torch.log10(torch.tensor(50.0)), 241, dtype=torch.float64
