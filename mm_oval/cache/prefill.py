@@ -89,9 +89,14 @@ def choose_tokens(
         return None
     rank, n_evicting = 0, 1
     if alloc.per_layer:  # only a per-layer schedule or weights need the layer's place
-        evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
+        evicting = evicting_layers(owner)
         rank, n_evicting = evicting.index(layer.layer_idx), len(evicting)
     return choose_kept(scores, info, cfg, alloc, rank, n_evicting) & valid
+
+
+def evicting_layers(owner: Any) -> list[int]:
+    """The layers the eviction policy compresses (not `keep_layer_unchanged`), in order."""
+    return [i for i in range(len(owner.layers)) if not owner.eviction.keep_layer_unchanged(i)]
 
 
 def finish_across_layers(owner: Any, valid: torch.Tensor) -> None:
@@ -99,8 +104,8 @@ def finish_across_layers(owner: Any, valid: torch.Tensor) -> None:
     prompt (`request.layer_scores`, (B, Hkv, N) each, on one scale across layers and heads), their KV heads
     are ranked together as the heads of one layer are under a shared budget (`choose_kept`: `layers x Hkv
     x k` tokens, the protected ones in every head) and each of those layers is compressed with its slice."""
-    policy, scores = owner.eviction, owner.request.layer_scores
-    evicting = [i for i in range(len(owner.layers)) if not policy.keep_layer_unchanged(i)]
+    scores = owner.request.layer_scores
+    evicting = evicting_layers(owner)
     if any(i not in scores for i in evicting):
         return
     joint = torch.cat([scores[i].to(valid.device) for i in evicting], dim=1)
