@@ -4,7 +4,8 @@
 # before the question is read), KVP with the agents fitted to SmolLM2 (smollm2-context). Default: the single
 # pass key at ~1k tokens, the first 10 contexts of the bundled dev set, 5 / 10 / 25 / 50% of the context KV;
 # retrieval at equal bytes read per decode step. KVzip runs twice: with the same budget in every layer
-# (mm-oval's default) and with its own allocation over every layer and head (layerwise=false). Each cell
+# (mm-oval's default) and with its own allocation over every layer and head (layerwise=false); KVP runs
+# with its default and with the division recommended for SmolLM2 (layerwise=false,calibrated=true). Each cell
 # resumes; the table and plot land in docs/results/<task>_smollm2.md / .png. KVzip and retrieval cells cost
 # the most.
 #
@@ -21,7 +22,8 @@ OUT=${OUT:-runs/smollm2}
 BUDGETS=${BUDGETS:-0.05,0.1,0.25,0.5}
 mkdir -p "$OUT" docs/results
 EVICTION=(expected_attention kvzip kvzip:layerwise=false snapkv tova h2o streamingllm random knorm keydiff pyramidkv adakv
-          adakv:scorer=expected_attention fastv kvp:agents=smollm2-context ${EXTRA_EVICTION:-})
+          adakv:scorer=expected_attention fastv kvp:agents=smollm2-context
+          kvp:agents=smollm2-context,layerwise=false,calibrated=true ${EXTRA_EVICTION:-})
 # OVAL (compact, rank 8 and rank 2), Quest (float and compact), and router v2 over compact OVAL rank 2
 RETRIEVAL=(oval:read_bytes_budget oval:read_bytes_budget,rank=2 quest:read_bytes_budget
            quest:read_bytes_budget,summary_format=compact router2:read_bytes_budget,weights=smollm2-oval2
