@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 import time
 from collections import defaultdict
@@ -39,7 +38,7 @@ from transformers import DynamicCache
 
 from mm_oval.config import OvalConfig
 from mm_oval.errors import ConfigError, DataError, ModelError, ResultsError
-from mm_oval.files import atomic_write_json, remove_stale_tmp
+from mm_oval.files import FolderLock, atomic_write_json, remove_stale_tmp
 from mm_oval.geometry import SUPPORTED_CLASSES, TEXT_FAMILIES, is_text_only
 from mm_oval.modelfiles import load_model  # noqa: F401 (the harness's loader is the library's)
 from mm_oval.prompts import COMPRESS_AT, chat_prompt, to_model
@@ -480,63 +479,6 @@ def _check_identity(out_dir: Path, run: RunConfig) -> None:
         raise ResultsError(f"{out_dir} holds predictions but no run.json; use another --out or delete them")
     else:
         atomic_write_json(path, {"identity": ident})
-
-
-class FolderLock:
-    """An exclusive lock on an output folder: `flock` on FOLDER/.lock, which also holds the pid of the
-    process that has it. The kernel drops the lock when that process ends, however it ends, so a lock
-    file left behind by a crash never blocks a later run."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.path = self.folder / ".lock"
-        self._f: Any = None
-
-    def acquire(self) -> FolderLock:
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            f = open(self.path, "a+", encoding="utf-8")
-        except OSError as e:
-            raise ResultsError(f"cannot write into the output folder {self.folder}: {e}") from e
-        try:
-            _lock_file(f)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "a process"
-            f.close()
-            raise ResultsError(
-                f"{self.folder} is in use by another run ({holder}): two runs writing into one folder mix "
-                "their records; wait for that run to end, or use another --out"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {platform.node()}\n")
-        f.flush()
-        self._f = f
-        return self
-
-    def release(self) -> None:
-        if self._f is not None:
-            self._f.close()  # closing the file drops the lock
-            self._f = None
-
-    def __enter__(self) -> FolderLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def _lock_file(f: Any) -> None:
-    """Lock an open file exclusively without waiting; OSError when another process holds it."""
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        import msvcrt
-
-        msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
-        return
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def claim_folder(out_dir: Path, state: Any, check: Callable[[], None] | None = None) -> FolderLock | None:

@@ -7,6 +7,9 @@ The folder is created when missing. The file gets the user's usual permissions (
 any file the user creates. A temporary file left behind by a killed writer is named `.{name}.{random}.tmp`
 and removed by `remove_stale_tmp` (the evaluation runner calls it under its folder lock).
 
+`FolderLock(folder)` holds an output folder for one run (`flock` on FOLDER/.lock): the evaluation runner and
+the training commands (train-kvp, train-router, train-smol) take it, so two runs never write one folder.
+
 `load_checkpoint` reads a training checkpoint back with `torch.load(weights_only=True)`: tensors and plain
 data only, never pickled objects.
 """
@@ -17,12 +20,13 @@ import json
 import logging
 import math
 import os
+import platform
 import re
 import secrets
 from pathlib import Path
 from typing import Any
 
-from .errors import DataError
+from .errors import DataError, ResultsError
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +124,60 @@ def load_checkpoint(path: str | Path, what: str = "checkpoint") -> dict:
     if not isinstance(state, dict):
         raise DataError(f"{what} {path} holds a {type(state).__name__}, not a checkpoint dict")
     return state
+
+
+class FolderLock:
+    """An exclusive lock on an output folder: `flock` on FOLDER/.lock, which also holds the pid of the
+    process that has it. The kernel drops the lock when that process ends, however it ends, so a lock
+    file left behind by a crash never blocks a later run."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.path = self.folder / ".lock"
+        self._f: Any = None
+
+    def acquire(self) -> FolderLock:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            f = open(self.path, "a+", encoding="utf-8")
+        except OSError as e:
+            raise ResultsError(f"cannot write into the output folder {self.folder}: {e}") from e
+        try:
+            _lock_file(f)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "a process"
+            f.close()
+            raise ResultsError(
+                f"{self.folder} is in use by another run ({holder}): two runs writing into one folder mix "
+                "their records; wait for that run to end, or use another --out"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {platform.node()}\n")
+        f.flush()
+        self._f = f
+        return self
+
+    def release(self) -> None:
+        if self._f is not None:
+            self._f.close()  # closing the file drops the lock
+            self._f = None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _lock_file(f: Any) -> None:
+    """Lock an open file exclusively without waiting; OSError when another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -37,3 +37,29 @@ def test_stale_temporary_files_of_a_killed_writer_are_removed_and_nothing_else(t
     (tmp_path / "notes.tmp").write_text("the user's own file")
     assert remove_stale_tmp(tmp_path) == [".results.json.0123456789ab.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp"]
+
+
+@pytest.mark.parametrize(
+    "command, args",
+    [
+        ("train-kvp", ["--model", "bundled", "--data", "zoo:train:4"]),
+        ("train-router", []),
+        ("train-smol", []),
+    ],
+)
+def test_a_training_command_refuses_an_output_folder_another_run_holds(command, args, tmp_path, capsys):
+    """A second training run into a folder that a run holds stops at once with a clear error naming the
+    holder, before it loads a model or writes anything; once the holder ends, the folder is free."""
+    import os
+
+    from mm_oval.cli import main
+    from mm_oval.files import FolderLock
+
+    out = tmp_path / "run"
+    with FolderLock(out):
+        assert main([command, "--out", str(out), *args]) == 2
+        err = capsys.readouterr().err
+        assert f"mm-oval {command}: error: {out} is in use by another run (pid {os.getpid()} on " in err
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    with FolderLock(out) as lock:  # released: the next run gets it
+        assert lock.path.read_text().startswith(f"pid {os.getpid()} ")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
+from ..files import FolderLock
 from ..modelfiles import MODEL_HELP, add_load_arguments, load_from_args
 from ..policies.kvp_agents import EXTRA_FEATURES
 from ..prompts import COMPRESS_AT
@@ -146,6 +148,12 @@ def parse_features(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # one run at a time in --out: a second one (here or on another machine sharing the folder) stops at once
+    with FolderLock(Path(args.out)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     # the options are named as the pipeline's fields, but for the two that need translating
     same = {f.name: getattr(args, f.name) for f in fields(PipelineConfig) if hasattr(args, f.name)}
     same["features"] = parse_features(args.features)

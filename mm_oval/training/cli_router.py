@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..config import DEFAULT_IMAGE_TILE
 from ..errors import ConfigError
-from ..files import atomic_write_json
+from ..files import FolderLock, atomic_write_json
 from ..modelfiles import add_load_arguments, load_from_args
 from ..policies.router import load_router, save_router
 from .router import (
@@ -103,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # one run at a time in --out: a second one (here or on another machine sharing the folder) stops at once
+    with FolderLock(Path(args.out)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.version == 2:
         return run2(args)
     if args.lora_only and not args.init:
