@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mm_oval import smollm2 as sm
-from mm_oval.errors import ModelError
+from mm_oval.errors import ConfigError, ModelError
 
 
 def test_missing_wheel_names_the_pip_command(monkeypatch):
@@ -148,6 +148,48 @@ def test_train_smol_resumes_exactly(smol_llava, tmp_path):
         want = forward_packed(resumed.model.eval(), packed, pixel_values([item.image]))
         got = forward_packed(merged, packed, pixel_values([item.image]))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.real_lm
+def test_train_smol_check_reports_each_types_accuracy_and_answer_loss_with_the_image_and_the_blank(
+    smol_llava, tmp_path
+):
+    """`train-smol --check N`: per question type, the share of exact greedy answers and the mean summed
+    negative log-likelihood of the answer tokens, with the scene and with the blank image, written to
+    OUT/check-STEP-N.json; the losses are those of the packed forward."""
+    import torch.nn.functional as F
+
+    from mm_oval.training.smol import (
+        SmolTrainConfig,
+        Trainer,
+        format_check,
+        forward_packed,
+        heldout_items,
+    )
+    from mm_oval.zoo.model import pixel_values
+
+    base, processor = smol_llava
+    cfg = SmolTrainConfig(images_per_step=1, eval_every=0, eval_images=1)
+    trainer = Trainer(copy.deepcopy(base), processor, tmp_path, cfg)
+    res, path = trainer.check(1)
+    assert path.name == "check-00000000-1.json" and json.loads(path.read_text()) == res
+    ((scene, qs),) = heldout_items(cfg.seed + 1_000_003, 1)
+    packed = trainer.packer.pack(qs)
+    with torch.no_grad():
+        logits = forward_packed(trainer.model, packed, pixel_values([scene.render()]))
+    nll = F.cross_entropy(logits, packed.labels, reduction="none")
+    for k, qtype in enumerate(packed.qtypes):
+        mine = packed.question_of == k
+        assert res["image"]["nll"][qtype] == pytest.approx(float(nll[mine].sum()), abs=1e-3)
+        right = bool((logits[mine].argmax(-1) == packed.labels[mine]).all())
+        assert res["image"]["by_type"][qtype] == (100.0 if right else 0.0)
+    for which in ("image", "blank"):
+        assert sum(res[which]["count"].values()) == res[which]["n"] == len(qs)
+    assert res["blank"]["nll"] != res["image"]["nll"]  # the blank image is another input
+    table = format_check(res)
+    assert all(f"| {t} | 1 |" in table for t in packed.qtypes)
+    with pytest.raises(ConfigError, match="--check"):
+        trainer.check(0)
 
 
 @pytest.mark.real_lm

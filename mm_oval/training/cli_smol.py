@@ -3,11 +3,12 @@
     mm-oval train-smol --out runs/smol                 # until stopped; resumes from runs/smol/checkpoint
     mm-oval train-smol --out runs/smol --steps 2000    # until 2,000 steps in total
     mm-oval train-smol --out runs/smol --minutes 30    # 30 more minutes
+    mm-oval train-smol --out runs/smol --check 24      # no training: the held-out check on 24 scenes
 
 It checkpoints every --checkpoint-every steps (and on exit), logs the learning curve to OUT/log.jsonl (loss per
-step; held-out accuracy by question type, and on a blank image, every --eval-every steps), and writes the
+step; held-out accuracy and answer loss by question type, and on a blank image, every --eval-every steps), and writes the
 committable parts to OUT/parts (load them with `mm_oval.zoo.smol.load_bundled_smol(parts=OUT/parts)`;
-copy them to mm_oval/zoo/bundled_smol to make them `bundled-smol`'s).
+copy them to mm_oval/zoo/bundled_smol to make them `bundled-smol`'s). One run at a time holds --out.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 import torch
 
+from ..files import FolderLock
 from ..modelfiles import default_device
-from .smol import SmolTrainConfig, Trainer
+from .smol import SmolTrainConfig, Trainer, format_check
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +63,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eval-images", type=int, default=d.eval_images, help="held-out scenes (8 questions each)"
     )
+    p.add_argument(
+        "--check",
+        type=int,
+        default=None,
+        metavar="SCENES",
+        help="do not train: run the held-out check on this many scenes at the checkpoint in --out (the same "
+        "options as its training), print it and write OUT/check-STEP-SCENES.json",
+    )
     p.add_argument("--device", default=None, help="cuda, cpu (default: the GPU when there is one)")
 
 
 def run(args: argparse.Namespace) -> int:
+    # one run at a time in --out: a second one (here or on another machine sharing the folder) stops at once
+    with FolderLock(Path(args.out)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..zoo.smol import build_smol_llava
 
     cfg = SmolTrainConfig(
@@ -88,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
     model, processor = build_smol_llava(seed=cfg.seed)
     model.to(device)
     trainer = Trainer(model, processor, args.out, cfg)
+    if args.check is not None:
+        res, path = trainer.check(args.check)
+        print(f"train-smol: held-out check at step {trainer.step}, {args.check} scenes ({res['sec']} s):")
+        print(format_check(res))
+        print(f"written to {path}")
+        return 0
     last = trainer.run(steps=args.steps, minutes=args.minutes)
     print(f"train-smol: step {trainer.step}, last loss {last.get('loss')}; parts in {trainer.export()}")
     return 0

@@ -262,25 +262,53 @@ def heldout_items(seed: int, n: int) -> list[tuple[Any, list[Any]]]:
 
 @torch.no_grad()
 def heldout_accuracy(model: Any, packer: Packer, items: list[tuple[Any, list[Any]]]) -> dict:
-    """Exact greedy accuracy by question type on `items`, with the real images and with a blank one."""
+    """Exact greedy accuracy by question type on `items`, with the real images and with a blank one, and
+    each question's answer loss (the negative log-likelihood of its answer tokens and `<|im_end|>`, summed;
+    its mean by type is `nll`). The loss moves before the accuracy does: an image that lowers it below the
+    blank image's is read, even while the greedy answers are still the prior's."""
     blank = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BLANK_GREY)
-    res: dict[str, dict[str, list[int]]] = {"image": {}, "blank": {}}
+    res: dict[str, dict[str, list[tuple[int, float]]]] = {"image": {}, "blank": {}}
     for scene, qs in items:
         packed = packer.pack(qs)
         for which, img in (("image", scene.render()), ("blank", blank)):
             logits = forward_packed(model, packed, pixel_values([img]))
-            hit = (logits.argmax(-1) == packed.labels.to(logits.device)).cpu()
+            labels = packed.labels.to(logits.device)
+            hit = (logits.argmax(-1) == labels).cpu()
+            nll = F.cross_entropy(logits, labels, reduction="none").cpu()
             for k, qtype in enumerate(packed.qtypes):
-                res[which].setdefault(qtype, []).append(int(hit[packed.question_of == k].all()))
+                mine = packed.question_of == k
+                res[which].setdefault(qtype, []).append((int(hit[mine].all()), float(nll[mine].sum())))
     out: dict[str, Any] = {}
     for which, by_type in res.items():
-        allq = [h for hs in by_type.values() for h in hs]
+        allq = [r for rs in by_type.values() for r in rs]
+        n = max(1, len(allq))
         out[which] = {
-            "all": round(100 * sum(allq) / max(1, len(allq)), 2),
+            "all": round(100 * sum(h for h, _ in allq) / n, 2),
             "n": len(allq),
-            "by_type": {t: round(100 * sum(h) / len(h), 2) for t, h in by_type.items()},
+            "by_type": {t: round(100 * sum(h for h, _ in rs) / len(rs), 2) for t, rs in by_type.items()},
+            "nll_all": round(sum(x for _, x in allq) / n, 4),
+            "nll": {t: round(sum(x for _, x in rs) / len(rs), 4) for t, rs in by_type.items()},
+            "count": {t: len(rs) for t, rs in by_type.items()},
         }
     return out
+
+
+def format_check(res: dict) -> str:
+    """A held-out check as a table: per type, % right and mean answer loss with the image and the blank."""
+    img, blank = res["image"], res["blank"]
+    rows = [
+        "| type | questions | % right: image / blank | answer loss: image / blank |",
+        "|---|---:|---:|---:|",
+    ]
+    for t in img["by_type"]:
+        rows.append(
+            f"| {t} | {img['count'][t]} | {img['by_type'][t]:.1f} / {blank['by_type'][t]:.1f} | "
+            f"{img['nll'][t]:.3f} / {blank['nll'][t]:.3f} |"
+        )
+    rows.append(
+        f"| all | {img['n']} | {img['all']:.1f} / {blank['all']:.1f} | {img['nll_all']:.3f} / {blank['nll_all']:.3f} |"
+    )
+    return "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -483,6 +511,19 @@ class Trainer:
         self.model.eval()
         return heldout_accuracy(self.model, self.packer, self.heldout)
 
+    def check(self, scenes: int) -> tuple[dict, Path]:
+        """The held-out check on `scenes` scenes (the periodic check's stream: its first `eval_images` are
+        the periodic check's own) at the checkpoint's step, written to OUT/check-STEP-SCENES.json."""
+        if scenes < 1:
+            raise ConfigError(f"--check takes a number of scenes >= 1, got {scenes}")
+        self.model.eval()
+        t0 = time.monotonic()
+        res = heldout_accuracy(self.model, self.packer, heldout_items(self.cfg.seed + 1_000_003, scenes))
+        res = {"step": self.step, "scenes": scenes, "sec": round(time.monotonic() - t0, 1), **res}
+        path = self.out / f"check-{self.step:08d}-{scenes}.json"
+        atomic_write_text(path, json.dumps(res, indent=1) + "\n")
+        return res, path
+
     def export(self, folder: str | Path | None = None) -> Path:
         """The committable parts: projector, adapter (peft's names and config), token record, the log."""
         folder = Path(folder) if folder else self.out / PARTS
@@ -526,10 +567,12 @@ class Trainer:
         rec = {"step": self.step, "eval": res, "sec": round(time.monotonic() - t0, 1)}
         self._log(rec)
         log.info(
-            "step %d held-out %.1f%% (blank image %.1f%%) %s",
+            "step %d held-out %.1f%% (blank image %.1f%%), answer loss %.3f (blank image %.3f) %s",
             self.step,
             res["image"]["all"],
             res["blank"]["all"],
+            res["image"]["nll_all"],
+            res["blank"]["nll_all"],
             res["image"]["by_type"],
         )
         self.export()
