@@ -14,7 +14,7 @@ from mm_oval.errors import ConfigError, DataError, ModelError
 from mm_oval.policies.base import TEXT
 from mm_oval.policies.kvp import load_agents
 from mm_oval.stats import get_stats
-from mm_oval.training.kvp import KVPTrainConfig, PipelineConfig, train
+from mm_oval.training.kvp import KVPTrainConfig, PipelineConfig, _split_samples, train
 from mm_oval.training.traces import (
     LONGTEXT_DEFAULT_KINDS,
     LONGTEXT_SEED_BASE,
@@ -105,6 +105,66 @@ def test_question_agnostic_text_trace_ends_at_the_context_and_the_question_is_fu
     assert bool((tr["utility"] - whole["utility"][..., :n] > -1e-5).all())
     with pytest.raises(DataError, match="compress='context'"):
         capture_sample(model, tok, sample, compress="image")
+
+
+def test_a_text_context_of_several_questions_learns_from_all_of_them(tiny_lm, byte_tokenizer):
+    """`longtext` samples with follow-ups: a context of several questions (trio: pass key, ingredient,
+    message) asks its first question and the others as follow-ups, every context the same way; its trace's
+    utility is the sum of the utilities of each question asked of the context alone, the keys are the
+    context's. Single-question kinds are unchanged; follow-ups need the question-agnostic prompt."""
+    model, tok = tiny_lm, byte_tokenizer
+    plain = longtext_samples("train", 12, lengths=("512",))
+    every = longtext_samples("train", 12, lengths=("512",), followups=3)
+    assert [s.context for s in every] == [s.context for s in plain]
+    for a, b in zip(plain, every):
+        if "-trio_" in b.sample_id:
+            asked = [b.question, *(q for q, _ in b.followups)]
+            assert [q.split("?")[0] for q in asked] == [
+                "What is the pass key",
+                "What is the secret ingredient of the soup",
+                "What is the secret message",
+            ]
+            assert b.max_new_tokens == a.max_new_tokens
+        elif "-doorkeys_" in b.sample_id:
+            assert len(b.followups) == 3 and len({b.question, *(q for q, _ in b.followups)}) == 4
+        else:
+            assert b.followups == [] and (b.question, b.answer) == (a.question, a.answer)
+    assert len(longtext_samples("train", 12, lengths=("512",), followups=1)[5].followups) == 1
+
+    spec = {"seed": 3, "per_length": 1, "lengths": {"s": 6}}
+    items = longtext.generate("trio", "s", spec)
+    sample = TraceSample(
+        "trio",
+        [],
+        items[0].prompt,
+        "",
+        [(it.prompt, "") for it in items[1:]],
+        context=items[0].context,
+        max_new_tokens=3,
+    )
+    tr = capture_sample(model, tok, sample, answer="greedy", compress="context", store_queries=False)
+    alone = [
+        capture_sample(
+            model,
+            tok,
+            TraceSample("one", [], it.prompt, "", context=it.context, max_new_tokens=3),
+            answer="greedy",
+            compress="context",
+            store_queries=False,
+        )
+        for it in items
+    ]
+    assert torch.equal(tr["keys"], alone[0]["keys"])  # the first question's forward; another's differs by
+    torch.testing.assert_close(tr["keys"], alone[2]["keys"], rtol=0, atol=2e-3)  # rounding only
+    torch.testing.assert_close(tr["utility"], sum(a["utility"] for a in alone))
+    assert int(tr["future_len"]) == sum(int(a["future_len"]) for a in alone)
+    assert not torch.allclose(alone[0]["utility"], alone[2]["utility"])  # the questions read differently
+    with pytest.raises(DataError, match="compress='context'"):
+        capture_sample(model, tok, sample, answer="greedy", compress="prompt")
+    with pytest.raises(ConfigError, match="--compress context"):
+        _split_samples(PipelineConfig(data="longtext:train:4:512", followups=2))
+    with pytest.raises(ConfigError, match="zoo: or longtext:"):
+        _split_samples(PipelineConfig(data="toy:4", followups=1))
 
 
 def sample_as_item(sample: TraceSample):

@@ -49,8 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--followups",
         type=int,
-        default=1,
-        help="zoo data: later questions per image whose tokens also read the cache (default 1)",
+        default=None,
+        help="later questions per image (zoo data, default 1) or per text context (longtext data, default 0: "
+        "one question per context; N > 0: a context of several questions asks its first and N more, each "
+        "of the compressed context, and the agents learn to keep what all of them read; --compress context)",
     )
     p.add_argument(
         "--answer",

@@ -530,7 +530,10 @@ class PipelineConfig:
     heldout_data: str | None = None  # default: zoo:/longtext:heldout:N for generated data, else the last 10%
     samples: int | None = None  # at most this many training prompts
     heldout_samples: int = 200
-    followups: int = 1  # zoo data: later questions per image whose tokens also read the cache
+    # later questions per image (zoo data) or per text context (longtext data: every question of a context of
+    # several, each asked of the context on its own) whose tokens also read the cache; None: 1 for zoo data,
+    # 0 for text (one question per context)
+    followups: int | None = None
     answer: str = "reference"  # future tokens: "reference" (teacher-forced) or "greedy"
     store_queries: bool = True
     shard_size: int = 128
@@ -567,7 +570,17 @@ class PipelineResult:
 def _split_samples(cfg: PipelineConfig) -> tuple[list, list, str, int]:
     """(training samples, held-out samples, the held-out data's name, followups)."""
     zoo = cfg.data.startswith("zoo")
-    fu = cfg.followups if zoo else 0
+    text = cfg.data.startswith("longtext")
+    if cfg.followups is not None and cfg.followups < 0:
+        raise ConfigError(f"followups must be >= 0, got {cfg.followups}")
+    if cfg.followups and not (zoo or text):
+        raise ConfigError("follow-up questions are generated: --followups takes zoo: or longtext: data")
+    fu = cfg.followups if cfg.followups is not None else (1 if zoo else 0)
+    if text and fu and cfg.compress != "context":
+        raise ConfigError(
+            "text follow-ups are the other questions of the context, asked of the compressed context: "
+            "--followups with longtext data needs --compress context"
+        )
     train = load_samples(cfg.data, limit=cfg.samples, seed=cfg.seed, followups=fu)
     if cfg.heldout_data:
         held = load_samples(cfg.heldout_data, limit=cfg.heldout_samples, seed=cfg.seed, followups=fu)
@@ -578,7 +591,7 @@ def _split_samples(cfg: PipelineConfig) -> tuple[list, list, str, int]:
     if cfg.data.startswith("longtext"):  # the same lengths, the generator's held-out seed
         _, _, lengths, kinds = parse_longtext_spec(cfg.data)
         spec = f"longtext:heldout:{cfg.heldout_samples}:{','.join(lengths)}:{','.join(kinds)}"
-        return train, load_samples(spec, seed=cfg.seed), spec, fu
+        return train, load_samples(spec, seed=cfg.seed, followups=fu), spec, fu
     k = max(1, len(train) // 10)
     return train[:-k], train[-k:], f"{cfg.data} (last {k})", fu
 

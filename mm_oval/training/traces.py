@@ -34,7 +34,7 @@ import logging
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -255,10 +255,14 @@ def longtext_samples(
     seed: int = 0,
     lengths: tuple[str, ...] = LONGTEXT_DEFAULT_LENGTHS,
     kinds: tuple[str, ...] = LONGTEXT_DEFAULT_KINDS,
+    followups: int = 0,
 ) -> list[TraceSample]:
     """`n` text samples of eval/longtext.py's generator (each of `kinds` at each of `lengths`, interleaved so
     that any prefix mixes them), one question per context (the kinds with several questions per context,
-    doorkeys and trio, ask each context one of them in turn). The generator's seed is LONGTEXT_SEED_BASE +
+    doorkeys and trio, ask each context one of them in turn). With `followups` > 0 a context of several
+    questions asks its first one and up to `followups` more as the sample's follow-ups, each asked of the
+    context on its own (`_capture_text`): the future a question-agnostic cache must serve is every question
+    the context answers, not the one drawn. The generator's seed is LONGTEXT_SEED_BASE +
     `seed` for `train` and another 1000 above for `heldout`; the dev set's seed (eval/longtext.py's
     BUNDLED_SPEC) is refused. The answer recorded is the reference (the pass key(s), the word or the
     message); traces normally use the model's greedy answer, up to the harness's budget for the kind."""
@@ -279,14 +283,22 @@ def longtext_samples(
         groups: dict[str, list] = {}
         for it in longtext.generate(kind, length, spec):
             groups.setdefault(it.group, []).append(it)
-        items = [g[c % len(g)] for c, g in enumerate(groups.values())]  # one question per context
         budget = longtext.TASK_CLASSES[f"{kind}_1k"].max_new_tokens  # the harness's, the same at every length
         col = []
-        for it in items:
+        for c, g in enumerate(groups.values()):
+            # one question per context, in turn; with follow-ups the first and the next `followups`
+            it = g[0] if followups else g[c % len(g)]
+            later = [(x.prompt, _reference(x.meta)) for x in g[1 : 1 + followups]]
             sid = f"longtext-{split}-{gen_seed}-{kind}_{length}-{it.id}"
             col.append(
                 TraceSample(
-                    sid, [], it.prompt, _reference(it.meta), context=it.context, max_new_tokens=budget
+                    sid,
+                    [],
+                    it.prompt,
+                    _reference(it.meta),
+                    later,
+                    context=it.context,
+                    max_new_tokens=budget,
                 )
             )
         columns.append(col)
@@ -296,11 +308,12 @@ def longtext_samples(
 
 def load_samples(spec: str, limit: int | None = None, seed: int = 0, followups: int = 0) -> list[TraceSample]:
     """`toy[:N]`, `zoo:SPLIT[:N]` (`zoo576:SPLIT[:N]`: the 576-token scenes),
-    `longtext:SPLIT[:N[:LENGTHS[:KINDS]]]` (text samples for a plain LM), an MMBench TSV, or a JSONL of {image, question, answer}. `followups` (zoo
-    only) adds later questions about the same image to each sample."""
+    `longtext:SPLIT[:N[:LENGTHS[:KINDS]]]` (text samples for a plain LM), an MMBench TSV, or a JSONL of
+    {image, question, answer}. `followups` (zoo and longtext) adds later questions about the same image, or
+    the same context, to each sample."""
     if spec.startswith("longtext"):
         split, n, lengths, kinds = parse_longtext_spec(spec, limit)
-        return longtext_samples(split, n, seed, lengths, kinds)
+        return longtext_samples(split, n, seed, lengths, kinds, followups)
     if spec.startswith("toy"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else (limit or 64)
         return toy_samples(min(n, limit or n), seed=seed)
@@ -488,7 +501,9 @@ def _capture_text(
     """`capture_sample` for a text sample on a plain LM (`processor`: its tokenizer, or a processor holding
     one). The tokens are the harness's (eval/textgen.py): the head (chat template + context + separator),
     the question with the assistant tag, then the answer (greedy: the model's own, from the full cache, cut
-    before its end-of-turn token, which is never fed back)."""
+    before its end-of-turn token, which is never fed back). A sample with follow-ups (compress='context'
+    only) asks each of its questions of the context on its own; the context's utility is the sum of the
+    attention every question's future pays it (each future summed over its queries, as for one)."""
     from ..eval.textgen import split_prompt, tokenizer_of
 
     if compress == "image":
@@ -496,7 +511,27 @@ def _capture_text(
             f"sample {sample.sample_id} is text (no image): use compress='context' for the question-agnostic "
             "setting (the prompt ends at the context) or 'prompt'"
         )
+    if sample.followups and compress != "context":
+        raise DataError(
+            f"sample {sample.sample_id}: follow-up questions of a text context are asked of the compressed "
+            "context, so they need compress='context' (or no follow-ups)"
+        )
     tok = tokenizer_of(processor)
+    if sample.followups:  # each question asked of the context on its own; the utilities add up
+        out = None
+        for q, a in [(sample.question, sample.answer), *sample.followups]:
+            one = replace(sample, question=q, answer=a, followups=[])
+            rec = _capture_text(model, processor, one, answer, max_new_tokens, store_queries, compress, False)
+            if out is None:
+                out = rec
+            else:
+                out["utility"] = out["utility"] + rec["utility"]
+                out["future_len"] = out["future_len"] + rec["future_len"]
+        if reconstruction:
+            asked = SimpleNamespace(context=sample.context, prompt=sample.question)
+            head = split_prompt(tok, asked, next(model.parameters()).device)[0]
+            out["reconstruction"] = reconstruction_utility(model, tok, head)
+        return out
     device = next(model.parameters()).device
     asked = SimpleNamespace(context=sample.context, prompt=sample.question)
     head, tail = split_prompt(tok, asked, device)
