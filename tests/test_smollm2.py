@@ -160,6 +160,7 @@ def test_train_smol_check_reports_each_types_accuracy_and_answer_loss_with_the_i
     import torch.nn.functional as F
 
     from mm_oval.training.smol import (
+        HELDOUT_SEED_OFFSET,
         SmolTrainConfig,
         Trainer,
         format_check,
@@ -173,7 +174,7 @@ def test_train_smol_check_reports_each_types_accuracy_and_answer_loss_with_the_i
     trainer = Trainer(copy.deepcopy(base), processor, tmp_path, cfg)
     res, path = trainer.check(1)
     assert path.name == "check-00000000-1.json" and json.loads(path.read_text()) == res
-    ((scene, qs),) = heldout_items(cfg.seed + 1_000_003, 1)
+    ((scene, qs),) = heldout_items(cfg.seed + HELDOUT_SEED_OFFSET, 1)
     packed = trainer.packer.pack(qs)
     with torch.no_grad():
         logits = forward_packed(trainer.model, packed, pixel_values([scene.render()]))

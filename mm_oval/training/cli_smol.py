@@ -6,9 +6,10 @@
     mm-oval train-smol --out runs/smol --check 24      # no training: the held-out check on 24 scenes
 
 It checkpoints every --checkpoint-every steps (and on exit), logs the learning curve to OUT/log.jsonl (loss per
-step; held-out accuracy and answer loss by question type, and on a blank image, every --eval-every steps), and writes the
-committable parts to OUT/parts (load them with `mm_oval.zoo.smol.load_bundled_smol(parts=OUT/parts)`;
-copy them to mm_oval/zoo/bundled_smol to make them `bundled-smol`'s). One run at a time holds --out.
+step; held-out accuracy and answer loss by question type, and on a blank image, every --eval-every steps),
+and writes the committable parts to OUT/parts (load them with
+`mm_oval.zoo.smol.load_bundled_smol(parts=OUT/parts)`; copy them to mm_oval/zoo/bundled_smol to make them
+`bundled-smol`'s). One run at a time holds --out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from ..files import FolderLock
 from ..modelfiles import default_device
 from .smol import SmolTrainConfig, Trainer, format_check
@@ -83,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from ..zoo.smol import build_smol_llava
 
+    if args.check is not None and args.check < 1:
+        raise ConfigError(f"--check takes a number of scenes >= 1, got {args.check}")
+
     cfg = SmolTrainConfig(
         seed=args.seed,
         questions_per_image=args.questions,
@@ -107,7 +112,8 @@ def _run(args: argparse.Namespace) -> int:
     trainer = Trainer(model, processor, args.out, cfg)
     if args.check is not None:
         res, path = trainer.check(args.check)
-        print(f"train-smol: held-out check at step {trainer.step}, {args.check} scenes ({res['sec']} s):")
+        what = f"step {trainer.step}" if trainer.step else f"step 0 (no checkpoint in {args.out}: untrained)"
+        print(f"train-smol: held-out check at {what}, {args.check} scenes ({res['sec']} s):")
         print(format_check(res))
         print(f"written to {path}")
         return 0

@@ -58,6 +58,7 @@ STATE = "state.json"
 LOG = "log.jsonl"
 PARTS = "parts"
 BLANK_GREY = (128, 128, 128)
+HELDOUT_SEED_OFFSET = 1_000_003  # the held-out scenes' stream: heldout_items(seed + this, n)
 
 
 @dataclass
@@ -383,7 +384,7 @@ class Trainer:
         self.items = TrainItems(self.sampler, self.packer, cfg.questions_per_image)
         self._loader, self._loader_at = None, -1
         self.step = 0
-        self.heldout = heldout_items(cfg.seed + 1_000_003, cfg.eval_images)
+        self.heldout = heldout_items(cfg.seed + HELDOUT_SEED_OFFSET, cfg.eval_images)
         self.resume()
 
     # -- checkpoints
@@ -518,7 +519,9 @@ class Trainer:
             raise ConfigError(f"--check takes a number of scenes >= 1, got {scenes}")
         self.model.eval()
         t0 = time.monotonic()
-        res = heldout_accuracy(self.model, self.packer, heldout_items(self.cfg.seed + 1_000_003, scenes))
+        res = heldout_accuracy(
+            self.model, self.packer, heldout_items(self.cfg.seed + HELDOUT_SEED_OFFSET, scenes)
+        )
         res = {"step": self.step, "scenes": scenes, "sec": round(time.monotonic() - t0, 1), **res}
         path = self.out / f"check-{self.step:08d}-{scenes}.json"
         atomic_write_text(path, json.dumps(res, indent=1) + "\n")
