@@ -22,6 +22,7 @@ from mm_oval.training.traces import (
     capture_sample,
     load_samples,
     longtext_samples,
+    reconstruction_utility,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -158,6 +159,15 @@ def test_a_text_context_of_several_questions_learns_from_all_of_them(tiny_lm, by
     torch.testing.assert_close(tr["keys"], alone[2]["keys"], rtol=0, atol=2e-3)  # rounding only
     torch.testing.assert_close(tr["utility"], sum(a["utility"] for a in alone))
     assert int(tr["future_len"]) == sum(int(a["future_len"]) for a in alone)
+    # KVzip's reconstruction utility is the context's, computed once
+    rec = capture_sample(
+        model, tok, sample, answer="greedy", compress="context", store_queries=False, reconstruction=True
+    )
+    torch.testing.assert_close(rec["utility"], tr["utility"])
+    torch.testing.assert_close(
+        rec["reconstruction"],
+        reconstruction_utility(model, tok, split_prompt(tok, sample_as_item(sample), torch.device("cpu"))[0]),
+    )
     assert not torch.allclose(alone[0]["utility"], alone[2]["utility"])  # the questions read differently
     with pytest.raises(DataError, match="compress='context'"):
         capture_sample(model, tok, sample, answer="greedy", compress="prompt")

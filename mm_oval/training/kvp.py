@@ -588,7 +588,7 @@ def _split_samples(cfg: PipelineConfig) -> tuple[list, list, str, int]:
     if zoo:
         spec = f"zoo:heldout:{cfg.heldout_samples}"
         return train, load_samples(spec, seed=cfg.seed, followups=fu), spec, fu
-    if cfg.data.startswith("longtext"):  # the same lengths, the generator's held-out seed
+    if text:  # the same lengths, the generator's held-out seed
         _, _, lengths, kinds = parse_longtext_spec(cfg.data)
         spec = f"longtext:heldout:{cfg.heldout_samples}:{','.join(lengths)}:{','.join(kinds)}"
         return train, load_samples(spec, seed=cfg.seed, followups=fu), spec, fu

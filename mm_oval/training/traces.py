@@ -516,22 +516,29 @@ def _capture_text(
             f"sample {sample.sample_id}: follow-up questions of a text context are asked of the compressed "
             "context, so they need compress='context' (or no follow-ups)"
         )
-    tok = tokenizer_of(processor)
     if sample.followups:  # each question asked of the context on its own; the utilities add up
         out = None
         for q, a in [(sample.question, sample.answer), *sample.followups]:
             one = replace(sample, question=q, answer=a, followups=[])
-            rec = _capture_text(model, processor, one, answer, max_new_tokens, store_queries, compress, False)
-            if out is None:
+            # the context (and so its reconstruction utility) is the same for every question: the first's
+            first = out is None
+            rec = _capture_text(
+                model,
+                processor,
+                one,
+                answer,
+                max_new_tokens,
+                store_queries,
+                compress,
+                reconstruction and first,
+            )
+            if first:
                 out = rec
             else:
                 out["utility"] = out["utility"] + rec["utility"]
                 out["future_len"] = out["future_len"] + rec["future_len"]
-        if reconstruction:
-            asked = SimpleNamespace(context=sample.context, prompt=sample.question)
-            head = split_prompt(tok, asked, next(model.parameters()).device)[0]
-            out["reconstruction"] = reconstruction_utility(model, tok, head)
         return out
+    tok = tokenizer_of(processor)
     device = next(model.parameters()).device
     asked = SimpleNamespace(context=sample.context, prompt=sample.question)
     head, tail = split_prompt(tok, asked, device)
