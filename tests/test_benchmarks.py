@@ -93,3 +93,39 @@ def test_probe_retrieval_oracle_scores_pages_by_their_exact_attention_and_reads_
     finally:
         del mod.RETRIEVAL_REGISTRY[mod.OraclePages.name]
     assert reads["oval"] == reads[mod.OraclePages.name] and reads["oval"]["selected"] > 0
+
+
+def test_smol_curve_compares_two_training_runs_step_by_step_on_the_steps_both_logged(tmp_path):
+    """A branch of a train-smol run sees the same scenes at the same steps, so the curve pairs the two
+    runs' losses by step; a step logged twice (a resumed run redid it) counts as its last logging."""
+
+    def log(folder, rows):
+        folder.mkdir()
+        (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(folder)
+
+    check = {"image": {"all": 40.0, "n": 8, "nll_all": 1.2}, "blank": {"all": 30.0, "n": 8, "nll_all": 1.3}}
+    trunk = log(
+        tmp_path / "trunk", [{"step": s, "loss": 1.0} for s in range(1, 7)] + [{"step": 6, "eval": check}]
+    )
+    branch_rows = [{"step": s, "loss": 1.0} for s in range(1, 4)]  # the common history
+    branch_rows += [{"step": 4, "loss": 9.0}, {"step": 4, "loss": 0.5}, {"step": 5, "loss": 0.7}]  # 4 redone
+    branch = log(tmp_path / "branch", branch_rows)
+    d = _run("smol_curve", trunk, branch, "--since", "3", "--every", "2", tmp_path=tmp_path)
+    p = d["paired"][branch]
+    assert (p["steps"], p["first"], p["last"]) == (2, 4, 5)
+    assert abs(p["mean_diff"] - ((0.5 - 1.0) + (0.7 - 1.0)) / 2) < 1e-9
+    assert abs(p["stderr"] - 0.1) < 1e-9  # differences -0.5 and -0.3
+    blocks = d["runs"][1]["blocks"]
+    assert [(b["from"], b["steps"], round(b["mean"], 6)) for b in blocks] == [(4, 2, 0.6)]
+    rows = d["runs"][0]["checks"]
+    assert rows == {
+        "6": {"n": 8, "right_image": 40.0, "right_blank": 30.0, "loss_image": 1.2, "loss_blank": 1.3}
+    }
+
+    (tmp_path / "trunk" / "log.jsonl").write_text('{"step": 1, "loss": 1.0}\nnot json\n')
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "smol_curve.py"), trunk, branch],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "log.jsonl, line 2" in proc.stderr and "Traceback" not in proc.stderr
