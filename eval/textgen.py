@@ -23,23 +23,10 @@ import torch
 from transformers import DynamicCache
 
 from mm_oval.errors import ConfigError
+from mm_oval.prompts import SEPARATOR, context_prompt, render_chat, tokenizer_of
 from mm_oval.wrapper import is_wrapped, prefill
 
 from .tasks import Item
-
-SEPARATOR = "\n\n"
-_MARK = "\u2063MMOVAL-QUESTION\u2063"
-
-
-def tokenizer_of(processor: Any) -> Any:
-    """The tokenizer of a processor, or the tokenizer itself (a plain LM's harness gets one)."""
-    return getattr(processor, "tokenizer", processor)
-
-
-def _render(tok: Any, messages: list[dict]) -> str:
-    if not getattr(tok, "chat_template", None):
-        raise ConfigError("text tasks render the model's chat template, and this tokenizer has none")
-    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def _ids(tok: Any, text: str, device: torch.device) -> torch.Tensor:
@@ -47,10 +34,8 @@ def _ids(tok: Any, text: str, device: torch.device) -> torch.Tensor:
 
 
 def split_prompt(tok: Any, item: Item, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(head ids, question ids), each (1, n): the template's head with the context, then the question with
-    the template's tail (the assistant tag)."""
-    rendered = _render(tok, [{"role": "user", "content": f"{item.context}{SEPARATOR}{_MARK}{item.prompt}"}])
-    head, tail = rendered.split(_MARK, 1)
+    """(head ids, question ids), each (1, n): `context_prompt` of the item, tokenized."""
+    head, tail = context_prompt(tok, item.context, item.prompt)
     return _ids(tok, head, device), _ids(tok, tail, device)
 
 
@@ -136,7 +121,7 @@ def generate_text_conversation(
             if t > 0:
                 # the template's text after the previous answer: end of turn, this question, the assistant tag
                 question = {"role": "user", "content": it.prompt}
-                rendered = _render(tok, [*history, {"role": "assistant", "content": marker}, question])
+                rendered = render_chat(tok, [*history, {"role": "assistant", "content": marker}, question])
                 if marker not in rendered:
                     raise ConfigError("multi-turn: the chat template drops assistant turns; cannot continue")
                 prev = seq[:, :-1] if seq[0, -1].item() == tok.eos_token_id else seq

@@ -7,10 +7,18 @@
     chat.stats()                                  # mm_oval.stats figures of the conversation's cache
     chat.kept_image_tokens()                      # (layers, KV heads, rows, cols) bool: what eviction kept
 
+    chat = Chat(model, tokenizer, context=report, method="kvp", budget=0.25)  # a plain LM (e.g. smollm2)
+    chat.ask("what is the pass key ?")            # the context is prefilled and compressed before the question
+
 The conversation is kept as token ids: each answer enters the next turn exactly as it was generated,
 the first turn's prompt is the one the evaluation harness builds (`mm_oval.prompts.chat_prompt`), and the
 later turns are the chat template's text between one answer and the next question, as the harness's
-multi-turn mode builds them. The `mm-oval chat` command is `mm_oval.cli_chat`.
+multi-turn mode builds them. A plain decoder-only language model (one `mm_oval.wrap` takes; its tokenizer in
+the processor's place) chats about text; with a `context` (a document) the first turn is the harness's
+question-agnostic one for text tasks (`--compress context`, eval/textgen.py): the chat template's head and
+the context are prefilled and the cache compressed there, then the question is read from that cache, and
+every later question is a turn over the same compressed context. The `mm-oval chat` command is
+`mm_oval.cli_chat`.
 """
 
 from __future__ import annotations
@@ -25,10 +33,10 @@ import torch
 
 from .config import OvalConfig
 from .errors import ConfigError
-from .geometry import FIXED, family_of, grid_shape, language_model, tokens_per_view
-from .prompts import chat_prompt, load_image, to_model
+from .geometry import FIXED, family_of, grid_shape, is_text_only, language_model, tokens_per_view
+from .prompts import SEPARATOR, chat_prompt, context_prompt, load_image, render_chat, to_model, tokenizer_of
 from .telemetry import cache_stats
-from .wrapper import is_wrapped, make_policies, new_cache, wrap_info, wrapped
+from .wrapper import is_wrapped, make_policies, new_cache, prefill, wrap_info, wrapped
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +137,8 @@ def _max_positions(model: Any) -> int | None:
 
 
 class Chat:
-    """A conversation about one or more images with a LLaVA-style model, through mm-oval's cache.
+    """A conversation about one or more images with a LLaVA-style model, or about a text with a plain
+    language model, through mm-oval's cache.
 
     `method`/`budget` are those of `mm_oval.wrap` (a method spec such as `"snapkv"`, `"kvp"`, or
     `"full:retrieval=oval,read_budget=0.25"`; `config` an `OvalConfig` instead). The first `ask` prefills
@@ -140,7 +149,13 @@ class Chat:
     conversation's policies are built once, here (those of the model's wrap when it is wrapped with the
     same configuration), and serve every turn. `record_reads=True` records
     which image patches decode-time retrieval read (`page_reads`); `record_steps=True` also keeps what
-    each decode step read (`page_reads_per_step`)."""
+    each decode step read (`page_reads_per_step`).
+
+    A plain decoder-only LM (`mm_oval.wrap`'s text families; `processor` its tokenizer) takes no images;
+    the budget is a share of its prompt. `context` (a document, plain LM only) makes the first turn
+    question-agnostic: the chat template's head and `context` + a blank line are prefilled and compressed
+    before the first question is read (the harness's `--compress context`), and the questions are turns over
+    that compressed context."""
 
     def __init__(
         self,
@@ -149,6 +164,7 @@ class Chat:
         image: Any = None,
         *,
         images: list[Any] | None = None,
+        context: str | None = None,
         method: str = "full",
         budget: float | int | None = None,
         config: OvalConfig | None = None,
@@ -162,10 +178,32 @@ class Chat:
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         raw = images if images is not None else ([] if image is None else [image])
+        self.text_only = is_text_only(model)
+        if self.text_only and raw:
+            raise ConfigError(
+                f"{type(model).__name__} is a plain language model: it reads no images; chat about a text "
+                "(context=, mm-oval chat --context FILE) or load a LLaVA-style model"
+            )
+        if context is not None and not self.text_only:
+            raise ConfigError(
+                "context= (mm-oval chat --context) is for a plain language model; with a LLaVA-style model, put "
+                "the text in the question"
+            )
+        if context is not None and (not isinstance(context, str) or not context.strip()):
+            raise ConfigError("the context is empty; pass the text the questions are about")
+        if self.text_only and (record_reads or record_steps):
+            raise ConfigError(
+                "record_reads / record_steps record the image patches retrieval reads; a plain language model "
+                "has none"
+            )
         self.images = [load_image(im) for im in raw]
+        self.context = context
         self.model = model
         self.processor = processor
-        self.config = config if config is not None else OvalConfig.from_spec(method, budget)
+        self.tokenizer = tokenizer_of(processor)
+        config = config if config is not None else OvalConfig.from_spec(method, budget)
+        # a plain LM's wrap reads the budget as a share of the context (what `wrap` makes of the config)
+        self.config = config.for_text_only() if self.text_only else config
         self.max_new_tokens = max_new_tokens
         self.record_reads = record_reads or record_steps
         self.record_steps = record_steps
@@ -201,8 +239,12 @@ class Chat:
         if not isinstance(question, str) or not question.strip():
             raise ConfigError("the question is empty; ask something about the image")
         question = question.strip()
-        tok = self.processor.tokenizer
-        inputs = self._first_inputs(question) if self._cache is None else self._next_inputs(question)
+        tok = self.tokenizer
+        head = None
+        if self._cache is None:
+            inputs, head = self._first_inputs(question)
+        else:
+            inputs = self._next_inputs(question)
         n_in = int(inputs["input_ids"].shape[1])
         max_new = self._room_for_answer(n_in)  # refused here: the conversation is left as it was
         if self._cache is None:
@@ -212,10 +254,16 @@ class Chat:
         try:
             with self._wrapped(), torch.inference_mode():
                 if self._cache is None:  # the first turn: a cache over this wrap's policies
-                    self._cache = new_cache(self.model)
+                    if head is not None:  # the context prefilled and compressed before the question
+                        self._cache = prefill(
+                            self.model, input_ids=head, attention_mask=torch.ones_like(head)
+                        )
+                    else:
+                        self._cache = new_cache(self.model)
                     if self._recorder is not None:
                         self._recorder.cache = self._cache
-                before = int(self._cache.get_seq_length())  # tokens already in the cache
+                else:
+                    before = int(self._cache.get_seq_length())  # tokens already in the cache
                 seq = self.model.generate(
                     **inputs,
                     cache=self._cache,
@@ -280,6 +328,7 @@ class Chat:
         """(rows, cols) of each image grid of the conversation, the index `kept_image_tokens` and
         `page_reads` take: one grid per image for LLaVA-1.5; for LLaVA-NeXT / OneVision each image's base
         grid, then its high-resolution grid; for Qwen2-VL each image's merged grid."""
+        self._refuse_text_only("image grids")
         return grid_shapes(self._require_cache(), self.grid if family_of(self.model) == FIXED else None)
 
     def _grid_shape(self, image: int) -> tuple[int, int]:
@@ -310,6 +359,7 @@ class Chat:
         """(layers, KV heads, rows, cols) float: for each kept patch of image `image`, the fraction of decode
         steps so far at which that head read its page (1.0 for pages always read; 0 for evicted patches).
         Needs `record_reads=True` and a retrieval method."""
+        self._refuse_text_only("image patches")
         self._require_cache()
         if self._recorder is None:
             raise ConfigError(
@@ -334,6 +384,7 @@ class Chat:
         the steps is `page_reads`. Decode step s reads with the answer's token s as the query and writes
         token s + 1 (`turns[-1].token_ids`; the first token comes from the prefill). Needs
         `record_steps=True` and a retrieval method."""
+        self._refuse_text_only("image patches")
         self._require_cache()
         if self._recorder is None or self._recorder.per_step is None:
             raise ConfigError(
@@ -360,6 +411,7 @@ class Chat:
     @property
     def grid(self) -> tuple[int, int, int]:
         """(images, rows, cols) of the patch grid."""
+        self._refuse_text_only("an image grid")
         if family_of(self.model) != FIXED:  # grids of their own sizes, several per image
             raise ConfigError(
                 f"{type(self.model).__name__} gives each image grids of their own sizes, not one "
@@ -369,6 +421,14 @@ class Chat:
         return (len(self.images), *grid_shape(self.tokens_per_image))
 
     # ---- inside ----------------------------------------------------------------------------------------
+    def _refuse_text_only(self, what: str) -> None:
+        if self.text_only:
+            raise ConfigError(
+                f"{type(self.model).__name__} is a plain language model: a text conversation has no {what} "
+                "(kept_image_tokens, page_reads and grids describe image patches); stats() says what the cache "
+                "kept"
+            )
+
     def _require_cache(self) -> Any:
         if self._cache is None:
             raise ConfigError("nothing is cached yet: ask a question first")
@@ -404,17 +464,40 @@ class Chat:
             yield
 
     def _render(self, question: str, history: list[tuple[str, str]]) -> str:
-        return chat_prompt(self.processor, question, history, images=len(self.images))
+        if not self.text_only:
+            return chat_prompt(self.processor, question, history, images=len(self.images))
+        messages: list[dict] = []
+        for i, (q, a) in enumerate([*history, (question, None)]):
+            if i == 0 and self.context is not None:
+                q = f"{self.context}{SEPARATOR}{q}"
+            messages.append({"role": "user", "content": q})
+            if a is not None:
+                messages.append({"role": "assistant", "content": a})
+        return render_chat(self.tokenizer, messages)
 
-    def _first_inputs(self, question: str) -> dict[str, torch.Tensor]:
+    def _ids(self, text: str) -> torch.Tensor:
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return ids.to(self.model.device)
+
+    def _first_inputs(self, question: str) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The first turn's inputs, and the head to prefill and compress before the question (a plain LM's
+        context: the template's head with it), else None."""
+        if self.text_only:
+            if self.context is None:
+                ids, head = self._ids(self._render(question, [])), None
+            else:
+                head_text, tail_text = context_prompt(self.tokenizer, self.context, question)
+                head = self._ids(head_text)
+                ids = torch.cat([head, self._ids(tail_text)], dim=1)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, head
         text = self._render(question, [])
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
         if self.images:
             kwargs["images"] = self.images
-        return to_model(self.processor(**kwargs), self.model)
+        return to_model(self.processor(**kwargs), self.model), None
 
     def _next_inputs(self, question: str) -> dict[str, torch.Tensor]:
-        tok = self.processor.tokenizer
+        tok = self.tokenizer
         hist = self.history
         rendered = self._render(question, hist[:-1] + [(hist[-1][0], _ANSWER_MARKER)])
         if _ANSWER_MARKER not in rendered:

@@ -1,7 +1,9 @@
-"""`mm-oval chat`: chat about one or more images with a (wrapped) LLaVA-style model, from the command line.
+"""`mm-oval chat`: chat about one or more images with a (wrapped) LLaVA-style model, or about a text with a
+plain language model, from the command line.
 
     mm-oval chat --image scene.png --method snapkv --budget 0.25             # questions from stdin
     mm-oval chat --image scene.png --prompt "what color is the circle ?" --stats
+    mm-oval chat --model smollm2 --context report.txt --method kvp --budget 0.25 --prompt "what is the pass key ?"
 
 The conversation is a `mm_oval.chat.Chat`; this module parses the options, runs the REPL (/stats, /reset,
 /quit) and prints what the cache kept (`format_stats`).
@@ -15,7 +17,7 @@ from typing import Any, TextIO
 
 from .chat import Chat
 from .config import OvalConfig
-from .errors import MmOvalError
+from .errors import DataError, MmOvalError
 from .eval.runner import parse_budget
 from .modelfiles import MODEL_HELP, add_load_arguments, load_from_args
 from .prompts import load_image
@@ -32,12 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--image", action="append", default=[], metavar="PATH", help="an image to chat about (repeatable)"
     )
     parser.add_argument(
+        "--context",
+        metavar="FILE",
+        help="a plain language model's context: this UTF-8 text file is prefilled and the cache compressed "
+        "before the first question is read (question-agnostic); the questions are turns over it",
+    )
+    parser.add_argument(
         "--method",
         default="full",
         help="KV-cache method spec, as for mm_oval.wrap: full, snapkv, kvp, 'full:retrieval=oval,read_budget=0.25', ...",
     )
     parser.add_argument(
-        "--budget", default=None, help="image-KV budget: a fraction like 0.25 or a token count like 16"
+        "--budget",
+        default=None,
+        help="KV budget: a fraction like 0.25 or a token count like 16, of the image tokens (a plain language "
+        "model: of its prompt, the context with --context)",
     )
     parser.add_argument(
         "--prompt",
@@ -75,15 +86,35 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"per KV head; prefill {stats['prefill_s'] * 1000:.0f} ms, decode {stats['decode_s'] * 1000:.0f} ms "
         f"over {stats['decode_steps']} steps"
     )
+    images = any(row["image_tokens_full"] for row in stats["layers"])  # none in a text conversation
     for row in stats["layers"]:
-        lines.append(
-            f"[stats] layer {row['layer']}: image tokens kept {row['image_tokens_kept']:g}/{row['image_tokens_full']:g}, "
-            f"text {row['text_tokens_kept']:g}/{row['text_tokens_full']:g}, pages {row['pages']:g}"
-        )
+        kept = f"text {row['text_tokens_kept']:g}/{row['text_tokens_full']:g}"
+        if images:
+            kept = f"image tokens kept {row['image_tokens_kept']:g}/{row['image_tokens_full']:g}, {kept}"
+        else:
+            kept = f"tokens kept: {kept}"
+        lines.append(f"[stats] layer {row['layer']}: {kept}, pages {row['pages']:g}")
     return "\n".join(lines)
 
 
 HELP = "commands: /stats (what the cache kept), /reset (new conversation), /quit"
+
+
+def read_context(path: str) -> str:
+    """The text of a --context file; a DataError naming the file when it is missing, unreadable, not UTF-8
+    or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise DataError(f"context file {path} does not exist; pass the path of a UTF-8 text file") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"context file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"context file {path} cannot be read ({e.strerror})") from None
+    if not text.strip():
+        raise DataError(f"context file {path} is empty; pass the text the questions are about")
+    return text
 
 
 def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
@@ -100,9 +131,12 @@ def _run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
     budget = parse_budget(args.budget)
     config = OvalConfig.from_spec(args.method, budget)  # bad specs fail before the model loads
     images = [load_image(p) for p in args.image]
+    context = read_context(args.context) if args.context is not None else None
     model, processor, _ = load_from_args(args)
     wrap(model, config)  # once for the session; the Chat uses this wrap's policies
-    chat = Chat(model, processor, images=images, config=config, max_new_tokens=args.max_new_tokens)
+    chat = Chat(
+        model, processor, images=images, context=context, config=config, max_new_tokens=args.max_new_tokens
+    )
 
     def answer(question: str) -> None:
         print(chat.ask(question), file=stdout, flush=True)

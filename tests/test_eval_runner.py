@@ -287,7 +287,7 @@ def test_clear_errors(loaded, tmp_path, vqa_dir):
         evaluate(model, processor, "gqa", vqa_dir, max_new_tokens=6, progress=False)
     cfg_dir = tmp_path / "not_llava"
     cfg_dir.mkdir()
-    (cfg_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (cfg_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelError, match="LLaVA-style"):
         load_model(str(cfg_dir), device="cpu")
 

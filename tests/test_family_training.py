@@ -71,11 +71,11 @@ def test_train_router_runs_and_its_router_serves_the_model(saved, tmp_path):
 
 
 def test_the_geometry_of_a_loaded_folder_is_the_built_models(saved):
-    """load_llava builds the folder's own class; its geometry is the in-process model's."""
-    from mm_oval.modelfiles import load_llava
+    """load_pretrained builds the folder's own class; its geometry is the in-process model's."""
+    from mm_oval.modelfiles import load_pretrained
 
     name, model, processor, path = saved
-    loaded, loaded_processor = load_llava(str(path))
+    loaded, loaded_processor = load_pretrained(str(path))
     assert type(loaded) is type(model)
     inputs = mixed_batch(loaded_processor)
     kw = {k: inputs[k] for k in GEOMETRY_INPUTS if k in inputs}

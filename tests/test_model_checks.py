@@ -29,9 +29,9 @@ def no_model_is_built(monkeypatch):
 
 
 def test_training_commands_check_the_model_type_before_building_anything(tmp_path, no_model_is_built, capsys):
-    folder = tmp_path / "llama"
+    folder = tmp_path / "gpt2"  # neither LLaVA-style nor a plain LM family wrap takes
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     for argv in (
         ["train-kvp", "--model", str(folder), "--data", "zoo:train:2", "--out", str(tmp_path / "k")],
         ["train-router", "--model", str(folder), "--data", "zoo:2", "--out", str(tmp_path / "r")],
@@ -39,7 +39,7 @@ def test_training_commands_check_the_model_type_before_building_anything(tmp_pat
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert "'llama' model" in err and "LLaVA-style" in err and len(err.strip().splitlines()) == 1
+        assert "'gpt2' model" in err and "LLaVA-style" in err and len(err.strip().splitlines()) == 1
 
 
 def _copy(src: Path, dst: Path) -> Path:

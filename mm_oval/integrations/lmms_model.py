@@ -6,7 +6,7 @@
 
 model_args:
     pretrained   local folder, Hub id, or `bundled` (the bundled tiny LLaVA); loaded by
-                 `mm_oval.modelfiles.load_llava` (safetensors only unless allow_pickle_weights=true;
+                 `mm_oval.modelfiles.load_pretrained` (safetensors only unless allow_pickle_weights=true;
                  never trust_remote_code)
     method       an mm-oval method spec as `mm-oval eval --method` takes it ("full", "snapkv", "kvp",
                  "oval", ...). lmms-eval splits model_args on commas, so a spec with several options goes

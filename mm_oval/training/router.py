@@ -614,8 +614,8 @@ def capture_router2_data(
     score of each page (`base`, a RetrievalPolicy: its own summarize / score_pages over the cache's page
     layout), from this query and from the previous position's."""
     from ..core import DecodeContext, PageBatch, RequestState
-    from ..eval.textgen import tokenizer_of
     from ..policies.router2 import BASE_FLOOR
+    from ..prompts import tokenizer_of
 
     lm = language_model(model)
     text = model.config.get_text_config()
@@ -716,7 +716,8 @@ def _prompt_inputs(
     wrapper keeps the input embeddings of a request's first forward only)."""
     device = next(model.parameters()).device
     if prompt.context is not None:
-        from ..eval.textgen import split_prompt, tokenizer_of
+        from ..eval.textgen import split_prompt
+        from ..prompts import tokenizer_of
 
         asked = SimpleNamespace(context=prompt.context, prompt=prompt.text)
         head, tail = split_prompt(tokenizer_of(processor), asked, device)

@@ -504,7 +504,8 @@ def _capture_text(
     before its end-of-turn token, which is never fed back). A sample with follow-ups (compress='context'
     only) asks each of its questions of the context on its own; the context's utility is the sum of the
     attention every question's future pays it (each future summed over its queries, as for one)."""
-    from ..eval.textgen import split_prompt, tokenizer_of
+    from ..eval.textgen import split_prompt
+    from ..prompts import tokenizer_of
 
     if compress == "image":
         raise DataError(
