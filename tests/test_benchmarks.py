@@ -129,3 +129,22 @@ def test_smol_curve_compares_two_training_runs_step_by_step_on_the_steps_both_lo
         capture_output=True, text=True, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 2 and "log.jsonl, line 2" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_blank_images_copies_a_data_folder_with_every_image_grey(tmp_path):
+    from PIL import Image
+
+    src = tmp_path / "data"
+    (src / "images").mkdir(parents=True)
+    Image.new("RGB", (40, 30), (255, 0, 0)).save(src / "images" / "a.png")
+    (src / "questions.json").write_text('{"q": 1}')
+    script = [sys.executable, str(ROOT / "benchmarks" / "blank_images.py")]
+    proc = subprocess.run([*script, str(src), str(tmp_path / "blank")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with Image.open(tmp_path / "blank" / "images" / "a.png") as im:
+        assert im.size == (40, 30) and im.convert("RGB").getcolors() == [(40 * 30, (128, 128, 128))]
+    assert (tmp_path / "blank" / "questions.json").read_text() == '{"q": 1}'
+    with Image.open(src / "images" / "a.png") as im:  # the source is left as it was
+        assert im.getpixel((0, 0)) == (255, 0, 0)
+    proc = subprocess.run([*script, str(src), str(tmp_path / "blank")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "exists" in proc.stderr
