@@ -220,6 +220,7 @@ class Chat:
     def reset(self) -> None:
         """Forget the conversation (the next `ask` prefills the images again)."""
         self.turns: list[Turn] = []
+        self._prefilled: torch.Tensor | None = None  # the token ids compressed in the first turn
         self._cache: Any = None
         self._recorder: _ReadRecorder | None = None
         self._seq: torch.Tensor | None = None
@@ -277,6 +278,8 @@ class Chat:
             self.reset()
             raise
         self._seq = seq
+        if self._prefilled is None:
+            self._prefilled = (head if head is not None else inputs["input_ids"])[0].detach().cpu()
         new = seq[:, n_in:]
         answer = tok.decode(new[0], skip_special_tokens=True).strip()
         fed = n_in - before
@@ -323,6 +326,26 @@ class Chat:
             else 0.0
         )
         return out
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        """(N,) the token ids the first turn prefilled and compressed: a plain LM's chat template head with
+        its context when the chat has one, else the whole first prompt (image tokens included)."""
+        self._require_cache()
+        return self._prefilled
+
+    def kept_tokens(self) -> torch.Tensor:
+        """(layers, KV heads, N) bool: which of the N tokens of `prompt_ids` each KV head of each layer kept
+        (e.g. `kept_tokens().float().mean((0, 1))`: the share of heads that kept each token)."""
+        cache = self._require_cache()
+        n = int(self._prefilled.numel())
+        out = []
+        for layer in cache.layers:
+            pos = layer.slot_pos[0, :, : layer.prompt_slots]  # (Hkv, slots): a slot's position, -1 if empty
+            mask = torch.zeros(pos.shape[0], n + 1, dtype=torch.bool, device=pos.device)
+            mask.scatter_(1, torch.where(pos >= 0, pos, n).clamp(max=n), True)
+            out.append(mask[:, :n].cpu())
+        return torch.stack(out)
 
     def grids(self) -> list[tuple[int, int]]:
         """(rows, cols) of each image grid of the conversation, the index `kept_image_tokens` and
@@ -425,8 +448,8 @@ class Chat:
         if self.text_only:
             raise ConfigError(
                 f"{type(self.model).__name__} is a plain language model: a text conversation has no {what} "
-                "(kept_image_tokens, page_reads and grids describe image patches); stats() says what the cache "
-                "kept"
+                "(kept_image_tokens, page_reads and grids describe image patches); kept_tokens() and stats() say "
+                "what the cache kept"
             )
 
     def _require_cache(self) -> Any:

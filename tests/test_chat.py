@@ -114,6 +114,20 @@ def test_full_cache_keeps_every_patch_of_every_image(tiny_random_llava):
         text_only.kept_image_tokens()
 
 
+def test_kept_tokens_are_the_kept_patches_at_the_image_tokens(tiny_random_llava):
+    """`kept_tokens` covers the whole compressed prompt; at the image tokens it is `kept_image_tokens`, row by
+    row, and every text token of the prompt is kept (the budget is the image's)."""
+    model, processor = tiny_random_llava
+    chat = Chat(model, processor, _scene(), method="snapkv", budget=0.25, max_new_tokens=3)
+    chat.ask(QUESTIONS[0])
+    kept = chat.kept_tokens()
+    image = chat.prompt_ids == model.config.image_token_id
+    assert kept.shape[-1] == chat.prompt_ids.numel() and int(image.sum()) == 64
+    grid = chat.kept_image_tokens()
+    assert torch.equal(kept[..., image], grid.flatten(2))
+    assert kept[..., ~image].all()
+
+
 def test_page_reads_match_the_pages_retrieval_read(tiny_random_llava):
     # 2x2 tiles: on the tiny model's 8x8 grid the default 4x4 tiles leave one page that no sink or recent
     # token pins, and reading a share of one page reads it all

@@ -56,6 +56,10 @@ def test_a_chat_over_a_compressed_context_answers_as_the_harness_does(tiny_lm, b
     assert stats["kv_fraction_kept"] == pytest.approx(0.5, abs=0.02)
     assert stats["layers"][0]["text_tokens_full"] == head.shape[1]
     assert stats["turns"] == 2
+    kept = chat.kept_tokens()  # (layers, KV heads, context tokens): what each head kept
+    assert kept.shape == (3, 2, head.shape[1]) and torch.equal(chat.prompt_ids, head[0])
+    assert kept[..., :4].all() and kept[..., -16:].all()  # the sinks and the recent window
+    assert (kept.sum(-1).float() - head.shape[1] / 2).abs().max() <= 1
 
 
 def test_a_text_chat_without_a_context_is_the_models_own_answer(tiny_lm, byte_tokenizer):
