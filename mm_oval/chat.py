@@ -238,7 +238,8 @@ class Chat:
         """Answer `question` (greedy decoding) and return the answer's text. If generation fails, the
         conversation is reset (its cache may hold part of the failed turn) and the error propagates."""
         if not isinstance(question, str) or not question.strip():
-            raise ConfigError("the question is empty; ask something about the image")
+            about = "the text" if self.text_only else "the image"
+            raise ConfigError(f"the question is empty; ask something about {about}")
         question = question.strip()
         tok = self.tokenizer
         head = None

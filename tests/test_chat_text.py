@@ -91,6 +91,8 @@ def test_a_text_chat_refuses_what_a_plain_lm_cannot_do(tiny_lm, byte_tokenizer, 
     with pytest.raises(ConfigError, match="image patches"):
         Chat(tiny_lm, byte_tokenizer, method="full:retrieval=quest", record_reads=True)
     chat = Chat(tiny_lm, byte_tokenizer, context="The pass key is 12345.", max_new_tokens=2)
+    with pytest.raises(ConfigError, match="ask something about the text"):
+        chat.ask(" ")
     chat.ask("what is the pass key ?")
     for call in (chat.kept_image_tokens, chat.page_reads, chat.grids):
         with pytest.raises(ConfigError, match="plain language model"):
