@@ -293,6 +293,11 @@ class Chat:
         limit = self.max_positions
         if limit is None or n_in + self.max_new_tokens <= limit:
             return self.max_new_tokens
+        if n_in >= limit and self._cache is None and self.context is not None:
+            raise ConfigError(
+                f"the context and the first question are {n_in} tokens, more than the {limit} the model handles "
+                "(its max_position_embeddings): pass a shorter context"
+            )
         if n_in >= limit:
             raise ConfigError(
                 f"the conversation would reach {n_in} tokens with this question, more than the {limit} the "

@@ -97,6 +97,9 @@ def test_a_text_chat_refuses_what_a_plain_lm_cannot_do(tiny_lm, byte_tokenizer, 
     for call in (chat.kept_image_tokens, chat.page_reads, chat.grids):
         with pytest.raises(ConfigError, match="plain language model"):
             call()
+    long = Chat(tiny_lm, byte_tokenizer, context="x" * 5000)  # the tiny Llama handles 4,096 positions
+    with pytest.raises(ConfigError, match="pass a shorter context"):
+        long.ask("what is the pass key ?")
     model, processor = tiny_random_llava
     with pytest.raises(ConfigError, match="is for a plain language model"):
         Chat(model, processor, context="some text")
