@@ -41,6 +41,7 @@ from mm_oval.files import atomic_write_json
 from mm_oval.modelfiles import load_model
 from mm_oval.policies.base import EvictionPolicy
 from mm_oval.registry import EVICTION_REGISTRY
+from mm_oval.telemetry import kept_positions
 from mm_oval.wrapper import prefill
 
 ANSWER_FIELDS = ("message", "word", "key")  # the item's answer in its meta, by kind
@@ -52,17 +53,6 @@ def cue_tokens(tok, ids: list[int], first: int) -> list[int]:
     while start > 0 and not tok.decode([ids[start - 1]]).rstrip().endswith((".", "?", "!", "\n")):
         start -= 1
     return list(range(start, first))
-
-
-def kept_masks(cache, n: int) -> list[torch.Tensor]:
-    """Per layer, (KV heads, n) bool: which of the head's n prompt positions the compressed cache holds."""
-    out = []
-    for layer in cache.layers:
-        pos = layer.slot_pos[0, :, : layer.prompt_slots]  # (Hkv, slots), -1 for an empty slot
-        mask = torch.zeros(pos.shape[0], n + 1, dtype=torch.bool)
-        mask.scatter_(1, torch.where(pos >= 0, pos, n).clamp(max=n), True)
-        out.append(mask[:, :n])
-    return out
 
 
 def answer_attention(
@@ -170,7 +160,7 @@ def main() -> None:
             for it, head, ids, span, cue, att, utility in prompts:
                 FUTURE.update(utility)
                 cache = prefill(model, input_ids=head, attention_mask=torch.ones_like(head))
-                masks = kept_masks(cache, head.shape[1])
+                masks = kept_positions(cache, head.shape[1])
                 seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **gen)
                 answer = tok.decode(seq[0, ids.shape[1] :], skip_special_tokens=True).strip()
                 row = {

@@ -35,7 +35,7 @@ from .config import OvalConfig
 from .errors import ConfigError
 from .geometry import FIXED, family_of, grid_shape, is_text_only, language_model, tokens_per_view
 from .prompts import SEPARATOR, chat_prompt, context_prompt, load_image, render_chat, to_model, tokenizer_of
-from .telemetry import cache_stats
+from .telemetry import cache_stats, kept_positions
 from .wrapper import is_wrapped, make_policies, new_cache, prefill, wrap_info, wrapped
 
 logger = logging.getLogger(__name__)
@@ -343,15 +343,7 @@ class Chat:
     def kept_tokens(self) -> torch.Tensor:
         """(layers, KV heads, N) bool: which of the N tokens of `prompt_ids` each KV head of each layer kept
         (e.g. `kept_tokens().float().mean((0, 1))`: the share of heads that kept each token)."""
-        cache = self._require_cache()
-        n = int(self._prefilled.numel())
-        out = []
-        for layer in cache.layers:
-            pos = layer.slot_pos[0, :, : layer.prompt_slots]  # (Hkv, slots): a slot's position, -1 if empty
-            mask = torch.zeros(pos.shape[0], n + 1, dtype=torch.bool, device=pos.device)
-            mask.scatter_(1, torch.where(pos >= 0, pos, n).clamp(max=n), True)
-            out.append(mask[:, :n].cpu())
-        return torch.stack(out)
+        return torch.stack(kept_positions(self._require_cache(), int(self._prefilled.numel())))
 
     def grids(self) -> list[tuple[int, int]]:
         """(rows, cols) of each image grid of the conversation, the index `kept_image_tokens` and

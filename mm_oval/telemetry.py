@@ -90,6 +90,18 @@ def plain_cache_bytes(cache: Any) -> int:
     return total
 
 
+def kept_positions(cache: Any, n: int) -> list[torch.Tensor]:
+    """Per layer, (KV heads, n) bool: which of the first n prompt positions of sample 0 each KV head of the
+    compressed cache holds (its prompt slots' original positions; -1 marks an empty slot)."""
+    out = []
+    for layer in cache.layers:
+        pos = layer.slot_pos[0, :, : layer.prompt_slots]
+        mask = torch.zeros(pos.shape[0], n + 1, dtype=torch.bool, device=pos.device)
+        mask.scatter_(1, torch.where(pos >= 0, pos, n).clamp(max=n), True)
+        out.append(mask[:, :n].cpu())
+    return out
+
+
 def cache_stats(cache: Any) -> dict[str, Any]:
     """JSON-serialisable summary of a `PagedMultimodalCache` after a request."""
     layers = [dict(layer.stats) for layer in cache.layers if layer.stats]
