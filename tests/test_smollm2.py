@@ -101,6 +101,30 @@ def test_bundled_smol_layout_and_packing(smol_llava):
 
 
 @pytest.mark.real_lm
+def test_bundled_smol_attention_is_captured_in_every_layer_for_kvp_traces(smol_llava):
+    # KVP's traces (`mm-oval train-kvp --model bundled-smol`) read every layer's queries and keys through the
+    # capture; it once switched a copy of the language model's config that no layer reads, and saw none
+    from PIL import Image
+
+    from mm_oval.geometry import language_model
+    from mm_oval.measures import capture_qk
+
+    model, processor = smol_llava
+    lm = language_model(model)
+    assert model.config.text_config is lm.config
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What shape is red?"}]}
+    ]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(images=Image.new("RGB", (336, 336), (200, 30, 30)), text=prompt, return_tensors="pt")
+    before = lm.config._attn_implementation
+    with torch.no_grad(), capture_qk(model) as cap:
+        model(**inputs)
+    assert sorted(cap.layers) == list(range(30)) and lm.config._attn_implementation == before
+    assert cap.layers[0].key.shape[-2] == inputs["input_ids"].shape[1] > 576
+
+
+@pytest.mark.real_lm
 def test_train_smol_resumes_exactly(smol_llava, tmp_path):
     """One step, then one more from the checkpoint, gives the same weights and optimiser state as two steps
     in one run."""

@@ -175,6 +175,10 @@ def build_smol_llava(lm: Any = None, tokenizer: Any = None, seed: int = 0) -> tu
 
         model.model.multi_modal_projector = LlavaMultiModalProjector(cfg)
     model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    # one owner for the language model's settings: the LLaVA's text config is the language model's own
+    # config object, not a copy (a copy would take `set_attn_implementation` or a capture the layers never
+    # read)
+    model.config.text_config = lm.config
     leftover = [n for n, p in model.named_parameters() if p.is_meta] + [
         n for n, b in model.named_buffers() if b.is_meta
     ]
