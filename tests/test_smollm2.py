@@ -44,6 +44,23 @@ def test_wrong_checksum_is_refused(monkeypatch):
         sm.gguf_path()
 
 
+def test_train_smol_cooldown_decays_the_learning_rates_to_zero_over_the_last_steps():
+    from mm_oval.training.smol import lr_factor
+
+    # warmup, then constant; a cooldown of 4 steps ending at step 10 scales steps 6..9 by 4/4 .. 1/4
+    assert [lr_factor(s, 2) for s in (0, 1, 5, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_factor(s, 2, cooldown=4, end=10) for s in range(5, 10)] == [1.0, 1.0, 0.75, 0.5, 0.25]
+    assert lr_factor(12, 2, cooldown=4, end=10) == 0.0
+
+
+def test_train_smol_cooldown_without_a_total_step_count_is_refused_before_loading(tmp_path, capsys):
+    from mm_oval.cli import main
+
+    assert main(["train-smol", "--out", str(tmp_path / "run"), "--cooldown", "300"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --steps (the total) with --cooldown" in err and not (tmp_path / "run").exists()
+
+
 @pytest.mark.real_lm
 def test_load_model_smollm2_facts(smollm2):
     model, tok = smollm2

@@ -4,6 +4,8 @@
     mm-oval train-smol --out runs/smol --steps 2000    # until 2,000 steps in total
     mm-oval train-smol --out runs/smol --minutes 30    # 30 more minutes
     mm-oval train-smol --out runs/smol --check 24      # no training: the held-out check on 24 scenes
+    cp -r runs/smol runs/smol-cool                     # a release: a copy whose learning rates decay to 0
+    mm-oval train-smol --out runs/smol-cool --steps 4300 --cooldown 300    # over its last 300 steps
 
 It checkpoints every --checkpoint-every steps (and on exit), logs the learning curve to OUT/log.jsonl (loss per
 step; held-out accuracy and answer loss by question type, and on a blank image, every --eval-every steps),
@@ -51,6 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-projector", type=float, default=d.lr_projector)
     p.add_argument("--lr-lora", type=float, default=d.lr_lora)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument(
+        "--cooldown",
+        type=int,
+        default=0,
+        metavar="N",
+        help="decay the learning rates linearly to 0 over the N steps before --steps (a release made from a copy "
+        "of the run directory; default 0: constant)",
+    )
     p.add_argument("--no-lora", action="store_true", help="train the projector only")
     p.add_argument(
         "--lm-dtype",
@@ -77,17 +87,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = _config(args)  # bad options are refused before anything is created in --out
     # one run at a time in --out: a second one (here or on another machine sharing the folder) stops at once
     with FolderLock(Path(args.out)):
-        return _run(args)
+        return _run(args, cfg)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from ..zoo.smol import build_smol_llava
-
+def _config(args: argparse.Namespace) -> SmolTrainConfig:
     if args.check is not None and args.check < 1:
         raise ConfigError(f"--check takes a number of scenes >= 1, got {args.check}")
-
     cfg = SmolTrainConfig(
         seed=args.seed,
         questions_per_image=args.questions,
@@ -95,6 +103,8 @@ def _run(args: argparse.Namespace) -> int:
         lr_projector=args.lr_projector,
         lr_lora=args.lr_lora,
         warmup_steps=args.warmup_steps,
+        cooldown_steps=args.cooldown,
+        cooldown_end=args.steps if args.cooldown else None,
         lora=not args.no_lora,
         lm_dtype=args.lm_dtype,
         checkpoint_every=args.checkpoint_every,
@@ -104,6 +114,12 @@ def _run(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     cfg.validate()
+    return cfg
+
+
+def _run(args: argparse.Namespace, cfg: SmolTrainConfig) -> int:
+    from ..zoo.smol import build_smol_llava
+
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     device = torch.device(args.device) if args.device else default_device()

@@ -69,6 +69,11 @@ class SmolTrainConfig:
     lr_projector: float = 1e-3
     lr_lora: float = 2e-4
     warmup_steps: int = 50
+    # learning rates decayed linearly to 0 over the `cooldown_steps` steps that end at step `cooldown_end`
+    # (the run's --steps); 0: constant after the warmup. Not part of the checkpoint's identity: a copy of a
+    # run cooled down for release while the original goes on at the constant rate
+    cooldown_steps: int = 0
+    cooldown_end: int | None = None
     grad_clip: float = 1.0
     lora: bool = True
     lm_dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU (see resolve_lm_dtype)
@@ -94,6 +99,12 @@ class SmolTrainConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0 or self.warmup_steps < 0 or self.workers < 0:
             raise ConfigError("eval_every, warmup_steps and workers must be >= 0")
+        if self.cooldown_steps < 0:
+            raise ConfigError(f"cooldown_steps must be >= 0, got {self.cooldown_steps}")
+        if self.cooldown_steps and self.cooldown_end is None:
+            raise ConfigError(
+                "a cooldown ends at the run's last step: pass --steps (the total) with --cooldown"
+            )
         if self.lm_dtype not in ("auto", "bfloat16", "float32"):
             raise ConfigError(f"lm_dtype must be auto, bfloat16 or float32, got {self.lm_dtype!r}")
 
@@ -365,8 +376,14 @@ def load_trained_state(model: Any, cfg: SmolTrainConfig, state: dict[str, torch.
         smol.load_lora_state(model, {k[len("lora.") :]: v for k, v in state.items() if k.startswith("lora.")})
 
 
-def lr_factor(step: int, warmup: int) -> float:
-    return min(1.0, (step + 1) / warmup) if warmup else 1.0
+def lr_factor(step: int, warmup: int, cooldown: int = 0, end: int | None = None) -> float:
+    """The learning rates' factor for the step taken from `step` (0-based): a linear warmup over `warmup`
+    steps, then 1, then (with a cooldown) a linear decay over the `cooldown` steps before `end`, reaching
+    1/cooldown at the last one."""
+    f = min(1.0, (step + 1) / warmup) if warmup else 1.0
+    if cooldown and end is not None:
+        f *= min(1.0, max(0.0, (end - step) / cooldown))
+    return f
 
 
 class Trainer:
@@ -460,9 +477,10 @@ class Trainer:
     def train_step(self) -> dict:
         cfg = self.cfg
         self.model.train()
+        lr_scale = lr_factor(self.step, cfg.warmup_steps, cfg.cooldown_steps, cfg.cooldown_end)
         for g in self.opt.param_groups:
             base = cfg.lr_projector if g.get("name") == "projector" else cfg.lr_lora
-            g["lr"] = base * lr_factor(self.step, cfg.warmup_steps)
+            g["lr"] = base * lr_scale
         self.opt.zero_grad(set_to_none=True)
         items = self._next_items()
         losses, tokens = [], 0
@@ -487,6 +505,7 @@ class Trainer:
             "loss": sum(losses) / len(losses),
             "tokens": tokens,
             "grad_norm": float(gnorm),
+            "lr_scale": round(lr_scale, 6),
         }
 
     def _next_items(self) -> list[tuple[Packed, torch.Tensor]]:
