@@ -8,25 +8,32 @@
 # first questions of its dev set: VQAv2 80 (10 images, all 8 types), MMBench 24 base questions (with
 # their circular rotations), lists 30, conversations 40 (10 conversations of 4); LIMIT_VQA, LIMIT_MMB,
 # LIMIT_LIST and LIMIT_MT change that. KVP runs its agents fitted to this model (bundled576-image); the
-# router is not swept here (router v2 is in scripts/frontier_bundled576.sh).
+# router is not swept here (router v2 is in scripts/frontier_bundled576.sh). MODEL=bundled-smol runs the same
+# grid on the LLaVA on SmolLM2 (its KVP agents in KVP_AGENTS; tables named *_smol.md unless SUFFIX says);
+# SETTINGS="vqav2_compress_image" runs one setting of the four.
 #
 #   scripts/sweep_bundled576.sh
+#   MODEL=bundled-smol KVP_AGENTS=DIR scripts/sweep_bundled576.sh
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
-OUT=${OUT:-runs/bundled576}
+MODEL=${MODEL:-bundled576}
+if [ "$MODEL" = bundled576 ]; then SUFFIX=${SUFFIX:-_576}; OUT=${OUT:-runs/bundled576}
+else SUFFIX=${SUFFIX:-_smol}; OUT=${OUT:-runs/sweep_smol}; fi
+SETTINGS=" ${SETTINGS:-vqav2_compress_image mmbench_compress_image objlist_compress_image vqav2_multi_turn4} "
 BUDGETS=${BUDGETS:-0.05,0.1,0.25,0.5}
 mkdir -p "$OUT" docs/results
 O=sink_tokens=3,recent_tokens=0
 EVICTION=(expected_attention:$O adakv:$O,scorer=expected_attention kvzip:$O pyramidkv:$O adakv:$O
           keydiff:$O fastv:$O h2o:$O tova:$O snapkv:$O streamingllm:$O random:$O knorm:$O)
-EVICTION+=(kvp:$O,agents=bundled576-image ${EXTRA_EVICTION:-})
+EVICTION+=(kvp:$O,agents=${KVP_AGENTS:-bundled576-image} ${EXTRA_EVICTION:-})
 RETRIEVAL=(oval:$O quest:$O ${EXTRA_RETRIEVAL:-})
-run() {  # name, then the sweep's arguments
+run() {  # name, then the sweep's arguments; only the settings named in SETTINGS run
     local name=$1; shift
-    OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model bundled576 --data bundled576 \
+    [[ "$SETTINGS" == *" $name "* ]] || return 0
+    OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model "$MODEL" --data bundled576 \
         --budgets "$BUDGETS" --no-progress --out "$OUT/sweep-$name" "$@" > "$OUT/sweep-$name.log" 2>&1
-    cp "$OUT/sweep-$name/sweep.md" "docs/results/${name}_576.md"
-    cp "$OUT/sweep-$name/sweep.png" "docs/results/${name}_576.png"
+    cp "$OUT/sweep-$name/sweep.md" "docs/results/${name}$SUFFIX.md"
+    cp "$OUT/sweep-$name/sweep.png" "docs/results/${name}$SUFFIX.png"
 }
 run vqav2_compress_image --task vqav2 --compress image --limit "${LIMIT_VQA:-80}" --batch-size 20 --methods "${EVICTION[@]}" "${RETRIEVAL[@]}" &
 run mmbench_compress_image --task mmbench --compress image --limit "${LIMIT_MMB:-24}" --batch-size 20 --methods "${EVICTION[@]}" "${RETRIEVAL[@]}" &
