@@ -167,18 +167,10 @@ def _register() -> None:
 
 def _attention_config(model: Any) -> Any:
     """The config whose `_attn_implementation` the language model's attention layers read: a LLaVA-style
-    model's language model's own config (the one `wrap` sets; a model assembled from parts may hold a copy
-    of it as its `text_config`), a language model's (or a decoder layer's) own config, or the config
-    itself."""
+    model's text config, a language model's (or a decoder layer's) own config, or the config itself."""
     from transformers import PretrainedConfig
 
-    if isinstance(model, PretrainedConfig):
-        config = model
-    else:
-        inner = getattr(getattr(model, "model", None), "language_model", None)
-        if inner is not None and getattr(inner, "config", None) is not None:
-            return inner.config
-        config = model.config
+    config = model if isinstance(model, PretrainedConfig) else model.config
     text = getattr(config, "text_config", None)
     return config if text is None else text
 
