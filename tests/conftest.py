@@ -83,6 +83,21 @@ def smollm2():
     return load_smollm2()
 
 
+@pytest.fixture(scope="session")
+def bundled_smol():
+    """`load_model("bundled-smol")` (model, processor): the LLaVA on SmolLM2 with its shipped trained parts,
+    loaded once per process. Marked and skipped as `smollm2`."""
+    from mm_oval.errors import ModelError
+    from mm_oval.modelfiles import load_model
+    from mm_oval.smollm2 import gguf_path
+
+    try:
+        gguf_path()
+    except ModelError as e:
+        pytest.skip(str(e))
+    return load_model("bundled-smol")
+
+
 # ---- a plain decoder-only LM and a tokenizer with a chat template, built in-process (no files) ----------
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

