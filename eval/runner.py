@@ -18,6 +18,7 @@ Output directory:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -335,36 +336,34 @@ def generate_image_first(
 ) -> list[tuple[str, int]]:
     """Greedy answers with the cache compressed right after the image: each prompt is split after its last
     image token; the first part (template head + image) is prefilled alone (a wrapped model compresses its
-    cache there), then `generate` continues on that cache with the question. Items are grouped by prompt
-    length so no padding falls between the two parts; the result does not depend on the grouping. Each
-    group is one request: a wrapped model's KV figures of every one are appended to `kv_rows`."""
+    cache there), then `generate` continues on that cache with the question. The question is not part of
+    that prefill, so questions about one image share it: each distinct head (the same ids up to the image and
+    the same pixels) is prefilled and compressed once, and every question about it is answered on its own
+    copy of that cache (one at a time: the copies cannot be stacked into a batch). Each question's generate
+    call is one request: a wrapped model's KV figures of every one are appended to `kv_rows`."""
     tok = processor.tokenizer
     kw = gen_kwargs(processor, max_new_tokens)
     wrapped = is_wrapped(model)
-    encoded = [
-        model_inputs(processor, model, [it.image()], [chat_prompt(processor, it.prompt)]) for it in items
-    ]
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, enc in enumerate(encoded):
-        groups[int(enc["input_ids"].shape[1])].append(i)
-    out: list[tuple[str, int] | None] = [None] * len(items)
-    for idx in groups.values():
-        ids = torch.cat([encoded[i]["input_ids"] for i in idx])
-        pix = torch.cat([encoded[i]["pixel_values"] for i in idx])
-        is_image = ids == model.config.image_token_id
-        if not bool(is_image.any(1).all()):
+    heads: dict[tuple, list[int]] = defaultdict(list)  # a distinct head -> the items that ask about it
+    encoded = []
+    for i, it in enumerate(items):
+        enc = model_inputs(processor, model, [it.image()], [chat_prompt(processor, it.prompt)])
+        ids = enc["input_ids"]
+        is_image = ids[0] == model.config.image_token_id
+        if not bool(is_image.any()):
             raise ConfigError("compress='image' needs an image in every prompt")
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        ends = positions.masked_fill(~is_image, -1).max(1).values + 1
-        ctx = int(ends[0])
-        if bool((ends != ctx).any()):  # same length, different image place: one at a time
-            for i in idx:
-                out[i] = generate_image_first(model, processor, [items[i]], max_new_tokens, kv_rows)[0]
-            continue
+        ctx = int(is_image.nonzero().max()) + 1
+        pix = enc["pixel_values"]
+        digest = hashlib.sha256(pix.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+        heads[(tuple(ids[0, :ctx].tolist()), tuple(pix.shape), digest)].append(i)
+        encoded.append((enc, ctx))
+    out: list[tuple[str, int] | None] = [None] * len(items)
+    for members in heads.values():
+        enc, ctx = encoded[members[0]]
         head = {
-            "input_ids": ids[:, :ctx],
-            "attention_mask": torch.ones_like(ids[:, :ctx]),
-            "pixel_values": pix,
+            "input_ids": enc["input_ids"][:, :ctx],
+            "attention_mask": torch.ones_like(enc["input_ids"][:, :ctx]),
+            "pixel_values": enc["pixel_values"],
         }
         with torch.inference_mode():
             if wrapped:
@@ -372,13 +371,20 @@ def generate_image_first(
             else:
                 cache = DynamicCache(config=model.config.get_text_config())
                 model(**head, cache=cache, use_cache=True)
-            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
-        stats = kv_stats(model) if kv_rows is not None else None
-        if stats:
-            kv_rows.append(stats)
-        for i, answer in zip(idx, decode_answers(tok, seq[:, ids.shape[1] :])):
-            out[i] = answer
+            for k, i in enumerate(members):
+                ids = encoded[i][0]["input_ids"]
+                own = cache if k == len(members) - 1 else _copy_cache(cache)
+                seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=own, **kw)
+                out[i] = decode_answers(tok, seq[:, ids.shape[1] :])[0]
+                stats = kv_stats(model) if kv_rows is not None else None
+                if stats:  # the head's KV and this question's decode steps; its prefill time counted once
+                    kv_rows.append(stats if k == 0 else {**stats, "prefill_s": 0.0})
     return out  # type: ignore[return-value]
+
+
+def _copy_cache(cache: Any) -> Any:
+    """An independent copy of a prefilled cache: mm-oval's own `copy()`, else a deep copy (DynamicCache)."""
+    return cache.copy() if hasattr(cache, "copy") else copy.deepcopy(cache)
 
 
 def generate_conversation(

@@ -393,6 +393,33 @@ def test_compress_after_image_keeps_full_cache_answers_and_lets_methods_see_less
         evaluate(model, processor, "vqav2", vqa_dir, compress="question", **kw)
 
 
+def test_compress_image_prefills_each_image_once_and_answers_as_one_question_at_a_time(
+    loaded, vqa_dir, tmp_path, monkeypatch
+):
+    """Question-agnostic: the head (template + image) does not depend on the question, so the questions about
+    one image share its prefill and compression; each is answered on its own copy of that cache, as if it
+    were asked alone (a method that changed the shared cache while answering would break this)."""
+    from mm_oval.eval import runner
+
+    model, processor = loaded
+    heads = []
+    real = runner.prefill
+
+    def counting(m, **inputs):
+        heads.append(inputs["input_ids"].shape)
+        return real(m, **inputs)
+
+    monkeypatch.setattr(runner, "prefill", counting)
+    kw = {"max_new_tokens": 6, "progress": False, "method": "snapkv", "budget": 0.25, "compress": "image"}
+    together = evaluate(model, processor, "vqav2", vqa_dir, batch_size=8, out_dir=tmp_path / "b8", **kw)
+    assert len(heads) == 4 and all(h[0] == 1 for h in heads)  # 8 questions, 4 images: one prefill each
+    heads.clear()
+    alone = evaluate(model, processor, "vqav2", vqa_dir, batch_size=1, out_dir=tmp_path / "b1", **kw)
+    assert len(heads) == 8
+    assert _preds(tmp_path / "b8") == _preds(tmp_path / "b1")
+    assert together["kv"] == alone["kv"]
+
+
 def test_options_as_an_object_give_the_same_run_as_keywords(loaded, vqa_dir, tmp_path, reference):
     from mm_oval.eval.runner import EvalOptions
 
