@@ -9,23 +9,23 @@
 # their circular rotations), lists 30, conversations 40 (10 conversations of 4); LIMIT_VQA, LIMIT_MMB,
 # LIMIT_LIST and LIMIT_MT change that. KVP runs its agents fitted to this model (bundled576-image); the
 # router is not swept here (router v2 is in scripts/frontier_bundled576.sh). MODEL=bundled-smol runs the same
-# grid on the LLaVA on SmolLM2 (its KVP agents in KVP_AGENTS; tables named *_smol.md unless SUFFIX says);
-# SETTINGS="vqav2_compress_image" runs one setting of the four.
+# grid on the LLaVA on SmolLM2 (with its KVP agents, bundled-smol-image, or those in KVP_AGENTS; tables named
+# *_smol.md unless SUFFIX says); SETTINGS="vqav2_compress_image" runs one setting of the four.
 #
 #   scripts/sweep_bundled576.sh
-#   MODEL=bundled-smol KVP_AGENTS=DIR scripts/sweep_bundled576.sh
+#   MODEL=bundled-smol SETTINGS=vqav2_compress_image scripts/sweep_bundled576.sh
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 MODEL=${MODEL:-bundled576}
-if [ "$MODEL" = bundled576 ]; then SUFFIX=${SUFFIX:-_576}; OUT=${OUT:-runs/bundled576}
-else SUFFIX=${SUFFIX:-_smol}; OUT=${OUT:-runs/sweep_smol}; fi
+if [ "$MODEL" = bundled576 ]; then SUFFIX=${SUFFIX:-_576}; OUT=${OUT:-runs/bundled576}; AGENTS=bundled576-image
+else SUFFIX=${SUFFIX:-_smol}; OUT=${OUT:-runs/sweep_smol}; AGENTS=bundled-smol-image; fi
 SETTINGS=" ${SETTINGS:-vqav2_compress_image mmbench_compress_image objlist_compress_image vqav2_multi_turn4} "
 BUDGETS=${BUDGETS:-0.05,0.1,0.25,0.5}
 mkdir -p "$OUT" docs/results
 O=sink_tokens=3,recent_tokens=0
 EVICTION=(expected_attention:$O adakv:$O,scorer=expected_attention kvzip:$O pyramidkv:$O adakv:$O
           keydiff:$O fastv:$O h2o:$O tova:$O snapkv:$O streamingllm:$O random:$O knorm:$O)
-EVICTION+=(kvp:$O,agents=${KVP_AGENTS:-bundled576-image} ${EXTRA_EVICTION:-})
+EVICTION+=(kvp:$O,agents=${KVP_AGENTS:-$AGENTS} ${EXTRA_EVICTION:-})
 RETRIEVAL=(oval:$O quest:$O ${EXTRA_RETRIEVAL:-})
 run() {  # name, then the sweep's arguments; only the settings named in SETTINGS run
     local name=$1; shift

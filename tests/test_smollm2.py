@@ -394,3 +394,19 @@ def test_kvzip_runs_on_bundled_smol_with_its_language_models_tokenizer(bundled_s
     chat = Chat(model, processor, item.image(), method="kvzip", budget=0.25, max_new_tokens=4)
     assert chat.ask(item.prompt).strip()
     assert chat.stats()["image_kv_fraction_kept"] == pytest.approx(0.25, abs=0.01)
+
+
+@pytest.mark.real_lm
+def test_kvp_on_bundled_smol_picks_its_own_shipped_agents(bundled_smol):
+    """`method="kvp"` with no agents named takes the bundled agents fitted to bundled-smol's traces (their
+    recorded signature matches its merged weights), not SmolLM2's text agents of the same shape."""
+    import mm_oval
+    from mm_oval.policies.kvp_io import bundled_agents_path
+    from mm_oval.wrapper import wrap_info
+
+    model, _ = bundled_smol
+    with mm_oval.wrapped(model, method="kvp", budget=0.25):
+        assert wrap_info(model).eviction.loaded.source == str(bundled_agents_path(name="bundled-smol-image"))
+    with pytest.raises(ModelError, match="mm-oval train-kvp"):  # SmolLM2's own agents do not fit it
+        mm_oval.wrap(model, method="kvp", budget=0.25, method_options={"agents": "smollm2-context"})
+    assert not mm_oval.is_wrapped(model)

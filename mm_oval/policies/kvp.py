@@ -67,15 +67,16 @@ class KVPState:
 class KVPPolicy(EvictionPolicy):
     """Learned eviction. `agents`: a directory written by `mm-oval train-kvp` (or a `KVPAgents`); unset, the
     bundled agents trained for the wrapped model (`DEFAULT_AGENTS`: the 64-token tiny LLaVA's "bundled", the
-    576-token one's "bundled576-image", SmolLM2's "smollm2-context"); or a bundled name:
-    "bundled" (the agents trained for the 64-token tiny LLaVA) or "bundled-joint" (its
+    576-token one's "bundled576-image", SmolLM2's "smollm2-context", bundled-smol's "bundled-smol-image"); or a
+    bundled name: "bundled" (the agents trained for the 64-token tiny LLaVA) or "bundled-joint" (its
     joint-heads agents, for `head_budget="shared"`), "bundled-image" / "bundled-image-joint" (the same
-    trained for `compress="image"`, the image compressed before the question is read), or "bundled576-image"
-    (per-head agents for the 576-token tiny LLaVA, `compress="image"`). `redundancy` / `sigma`: the
-    redundancy-aware selection over the agents' scores (`kvp_select`; default: what the agents' config
-    records, else off). `model`, when given, is checked against
-    the agents' recorded shape and fingerprint at once; otherwise each layer is checked on first use
-    (shape from the keys, fingerprint from the layer's k_proj / v_proj).
+    trained for `compress="image"`, the image compressed before the question is read), "bundled576-image"
+    (per-head agents for the 576-token tiny LLaVA, `compress="image"`), "smollm2-context" (SmolLM2 on long
+    text, `compress="context"`) or "bundled-smol-image" (the LLaVA on SmolLM2, `compress="image"`).
+    `redundancy` / `sigma`: the redundancy-aware selection over the agents' scores (`kvp_select`; default: what
+    the agents' config records, else off). `model`, when given, is checked against the agents' recorded shape
+    and fingerprint at once; otherwise each layer is checked on first use (shape from the keys, fingerprint
+    from the layer's k_proj / v_proj).
 
     `score` returns (B, Hkv, N) scores whose per-head order is the agents' ranking: raw scores of agents
     trained with `joint_heads` (one scale across a layer's heads: a budget shared by the heads, AdaKV or
@@ -176,7 +177,7 @@ class KVPPolicy(EvictionPolicy):
     def bind(self, model: Any) -> None:
         """Check the agents against `model` at once (shape, and weights unless `check_weights=False`);
         `mm_oval.wrap` calls this. With no agents named, the first of DEFAULT_AGENTS trained for `model`
-        is used (SmolLM2 gets its own, the 576-token tiny LLaVA its own); a model with none of its own is
+        is used (SmolLM2, bundled-smol and the 576-token tiny LLaVA each get their own); a model with none of its own is
         refused as before, naming the command that trains agents for it."""
         if self.loaded.model:
             sig = model_signature(model)

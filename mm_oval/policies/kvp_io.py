@@ -122,10 +122,14 @@ BUNDLED_AGENTS = {
     # context`), per-head rankings: traces of 168 generated contexts of 512 and 1k tokens (every kind of
     # eval/longtext.py, seeds apart from the dev set's), 250 steps
     "smollm2-context": "smollm2_kvp_context",
+    # bundled-smol, the LLaVA on SmolLM2 (`--model bundled-smol`, its shipped parts), question-agnostic setting
+    # (`--compress image`), per-head rankings with the redundancy-aware selection: traces of 600 training scenes
+    # of the 576-token generator, 600 steps
+    "bundled-smol-image": "bundled_smol_kvp_image",
 }
 # `agents` left unset: the first of these trained for the wrapped model (their recorded signature matches);
 # the first one when no model is bound. The per-head agents of each bundled model's own setting.
-DEFAULT_AGENTS = ("bundled", "bundled576-image", "smollm2-context")
+DEFAULT_AGENTS = ("bundled", "bundled576-image", "smollm2-context", "bundled-smol-image")
 
 
 def bundled_agents_path(joint_heads: bool = False, name: str | None = None) -> Path:
