@@ -224,6 +224,7 @@ def test_train_smol_check_reports_each_types_accuracy_and_answer_loss_with_the_i
         format_check,
         forward_packed,
         heldout_items,
+        heldout_mmbench,
     )
     from mm_oval.zoo.model import pixel_values
 
@@ -245,10 +246,57 @@ def test_train_smol_check_reports_each_types_accuracy_and_answer_loss_with_the_i
     for which in ("image", "blank"):
         assert sum(res[which]["count"].values()) == res[which]["n"] == len(qs)
     assert res["blank"]["nll"] != res["image"]["nll"]  # the blank image is another input
+    # the same questions in MMBench form: options, and the letter of the right one as the answer
+    ((_, mqs),) = heldout_mmbench(cfg.seed + HELDOUT_SEED_OFFSET, [(scene, qs)])
+    assert [q.qtype for q in mqs] == [q.qtype for q in qs] and all(q.options for q in mqs)
+    assert all(q.answer in "ABCD" and q.options["ABCD".index(q.answer)] == p.answer for q, p in zip(mqs, qs))
+    mpacked = trainer.packer.pack(mqs)
+    with torch.no_grad():
+        mlogits = forward_packed(trainer.model, mpacked, pixel_values([scene.render()]))
+    mnll = F.cross_entropy(mlogits, mpacked.labels, reduction="none")
+    for k, qtype in enumerate(mpacked.qtypes):
+        assert res["mmbench"]["image"]["nll"][qtype] == pytest.approx(
+            float(mnll[mpacked.question_of == k].sum()), abs=1e-3
+        )
+    assert res["mmbench"]["image"]["n"] == res["mmbench"]["blank"]["n"] == len(qs)
     table = format_check(res)
     assert all(f"| {t} | 1 |" in table for t in packed.qtypes)
+    assert "in MMBench form" in table and table.count("| all | ") == 2
     with pytest.raises(ConfigError, match="--check"):
         trainer.check(0)
+
+
+@pytest.mark.real_lm
+def test_train_smol_check_of_trained_parts_answers_as_the_loaded_model(bundled_smol, tmp_path, capsys):
+    """`train-smol --check N --parts bundled` checks bundled-smol's own parts (no checkpoint needed): the
+    figures are those of the model `--model bundled-smol` loads, and it writes OUT/check-parts-N.json."""
+    from mm_oval.cli import main
+    from mm_oval.training.smol import HELDOUT_SEED_OFFSET, Packer, heldout_accuracy, heldout_items
+
+    out = tmp_path / "check"
+    assert main(["train-smol", "--out", str(out), "--check", "1", "--parts", "bundled"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out check at the parts in bundled, 1 scenes" in printed and "in MMBench form" in printed
+    got = json.loads((out / "check-parts-1.json").read_text())
+    model, processor = bundled_smol
+    seed = HELDOUT_SEED_OFFSET  # the default --seed 0
+    want = heldout_accuracy(model, Packer(processor), heldout_items(seed, 1), seed)
+    for part in ("image", "blank"):
+        assert got[part]["by_type"] == want[part]["by_type"]
+        assert got[part]["nll"] == pytest.approx(want[part]["nll"], abs=1e-3)
+        assert got["mmbench"][part]["nll"] == pytest.approx(want["mmbench"][part]["nll"], abs=1e-3)
+
+
+def test_train_smol_parts_is_refused_without_check_or_without_parts_before_loading(tmp_path, capsys):
+    from mm_oval.cli import main
+
+    assert main(["train-smol", "--out", str(tmp_path / "a"), "--parts", "bundled"]) == 2
+    assert "add --check SCENES" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train-smol", "--out", str(tmp_path / "b"), "--check", "1", "--parts", str(empty)]) == 2
+    assert f"no trained projector in {empty}" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 @pytest.mark.real_lm

@@ -4,6 +4,7 @@
     mm-oval train-smol --out runs/smol --steps 2000    # until 2,000 steps in total
     mm-oval train-smol --out runs/smol --minutes 30    # 30 more minutes
     mm-oval train-smol --out runs/smol --check 24      # no training: the held-out check on 24 scenes
+    mm-oval train-smol --out runs/check --check 24 --parts bundled   # the same check of bundled-smol's own parts
     cp -r runs/smol runs/smol-cool                     # a release: a copy whose learning rates decay to 0
     mm-oval train-smol --out runs/smol-cool --steps 4300 --cooldown 300    # over its last 300 steps
 
@@ -83,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="do not train: run the held-out check on this many scenes at the checkpoint in --out (the same "
         "options as its training), print it and write OUT/check-STEP-SCENES.json",
     )
+    p.add_argument(
+        "--parts",
+        default=None,
+        metavar="DIR",
+        help="with --check: check these trained parts instead of a checkpoint (a train-smol OUT/parts folder, "
+        "or 'bundled' for bundled-smol's own); writes OUT/check-parts-SCENES.json",
+    )
     p.add_argument("--device", default=None, help="cuda, cpu (default: the GPU when there is one)")
 
 
@@ -96,6 +104,16 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> SmolTrainConfig:
     if args.check is not None and args.check < 1:
         raise ConfigError(f"--check takes a number of scenes >= 1, got {args.check}")
+    if args.parts is not None:
+        if args.check is None:
+            raise ConfigError("--parts names the trained parts --check checks; add --check SCENES")
+        from ..zoo.smol import has_trained_parts
+
+        if not has_trained_parts(_parts_folder(args)):
+            raise ConfigError(
+                f"--parts {args.parts}: no trained projector in {_parts_folder(args)}; give a train-smol "
+                "OUT/parts folder or 'bundled'"
+            )
     cfg = SmolTrainConfig(
         seed=args.seed,
         questions_per_image=args.questions,
@@ -124,11 +142,23 @@ def _run(args: argparse.Namespace, cfg: SmolTrainConfig) -> int:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     device = torch.device(args.device) if args.device else default_device()
     model, processor = build_smol_llava(seed=cfg.seed)
+    if args.parts is not None:
+        _load_parts(model, args)
     model.to(device)
     trainer = Trainer(model, processor, args.out, cfg)
     if args.check is not None:
-        res, path = trainer.check(args.check)
-        what = f"step {trainer.step}" if trainer.step else f"step 0 (no checkpoint in {args.out}: untrained)"
+        if args.parts is not None and trainer.step:
+            raise ConfigError(
+                f"--parts checks trained parts, but {args.out} holds a training checkpoint (step "
+                f"{trainer.step}) that would replace them; give another --out"
+            )
+        res, path = trainer.check(args.check, tag="parts" if args.parts is not None else None)
+        if args.parts is not None:
+            what = f"the parts in {args.parts}"
+        elif trainer.step:
+            what = f"step {trainer.step}"
+        else:
+            what = f"step 0 (no checkpoint in {args.out}: untrained)"
         print(f"train-smol: held-out check at {what}, {args.check} scenes ({res['sec']} s):")
         print(format_check(res))
         print(f"written to {path}")
@@ -136,3 +166,17 @@ def _run(args: argparse.Namespace, cfg: SmolTrainConfig) -> int:
     last = trainer.run(steps=args.steps, minutes=args.minutes)
     print(f"train-smol: step {trainer.step}, last loss {last.get('loss')}; parts in {trainer.export()}")
     return 0
+
+
+def _parts_folder(args: argparse.Namespace) -> Path:
+    from ..zoo.smol import parts_dir
+
+    return parts_dir() if args.parts == "bundled" else Path(args.parts)
+
+
+def _load_parts(model, args: argparse.Namespace) -> None:
+    """The trained parts of --parts, merged into `model`; the trainer's own adapter then starts at zero, so
+    the model answers as the parts make it."""
+    from ..zoo.smol import load_trained_parts
+
+    load_trained_parts(model, _parts_folder(args), merge=True)

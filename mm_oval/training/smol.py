@@ -13,9 +13,10 @@ Recipe (from a CPU probe of SmolLM2 as a LLaVA language model):
 
 Data: `TrainSampler576` on its own seeds (the bundled 576 dev sets are drawn from other seeds and stay held
 out); a quick held-out check every `eval_every` steps asks one question of each VQA type about fresh scenes
-(`heldout_items`) and the same questions about a blank grey image (the answer prior). A question counts as
-right when the greedy answer is exactly the reference followed by `<|im_end|>` (teacher-forced argmax at
-every answer position: the same as greedy decoding's first tokens).
+(`heldout_items`) and the same questions about a blank grey image (the answer prior), then all of it again with
+the questions in MMBench form (`heldout_mmbench`: options, a letter to answer). A question counts as right when
+the greedy answer is exactly the reference followed by `<|im_end|>` (teacher-forced argmax at every answer
+position: the same as greedy decoding's first tokens).
 
 Checkpoints (OUT/checkpoint/): the trained weights and the optimiser state as safetensors and `state.json`
 (step, seed, data cursor, optimiser groups, the config), each written atomically (a temporary file, then
@@ -46,7 +47,7 @@ from ..errors import ConfigError, DataError
 from ..files import atomic_write_bytes, atomic_write_text
 from ..prompts import chat_prompt
 from ..zoo import smol
-from ..zoo.generate576 import VQA_TYPES, TrainSampler576, make_questions576
+from ..zoo.generate576 import VQA_TYPES, TrainSampler576, make_questions576, to_mmbench
 from ..zoo.model import pixel_values
 from ..zoo.scenes import IMAGE_SIZE, MAX_OBJECTS, make_scene
 from ..zoo.vision576 import patch_features
@@ -272,12 +273,18 @@ def heldout_items(seed: int, n: int) -> list[tuple[Any, list[Any]]]:
     return out
 
 
+def heldout_mmbench(seed: int, items: list[tuple[Any, list[Any]]]) -> list[tuple[Any, list[Any]]]:
+    """The same questions in MMBench form, as training asks a share of them (`to_mmbench`: the options in a
+    random order, 2 for yes/no, 3 for counts, 4 for colours and shapes; the answer is the option's letter)."""
+    out = []
+    for i, (scene, qs) in enumerate(items):
+        rng = random.Random(f"mm-oval-smol-heldout-mmbench-{seed}-{i}")
+        out.append((scene, [to_mmbench(scene, q, rng) for q in qs]))
+    return out
+
+
 @torch.no_grad()
-def heldout_accuracy(model: Any, packer: Packer, items: list[tuple[Any, list[Any]]]) -> dict:
-    """Exact greedy accuracy by question type on `items`, with the real images and with a blank one, and
-    each question's answer loss (the negative log-likelihood of its answer tokens and `<|im_end|>`, summed;
-    its mean by type is `nll`). The loss moves before the accuracy does: an image that lowers it below the
-    blank image's is read, even while the greedy answers are still the prior's."""
+def _accuracy_by_type(model: Any, packer: Packer, items: list[tuple[Any, list[Any]]]) -> dict:
     blank = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BLANK_GREY)
     res: dict[str, dict[str, list[tuple[int, float]]]] = {"image": {}, "blank": {}}
     for scene, qs in items:
@@ -305,6 +312,19 @@ def heldout_accuracy(model: Any, packer: Packer, items: list[tuple[Any, list[Any
     return out
 
 
+def heldout_accuracy(model: Any, packer: Packer, items: list[tuple[Any, list[Any]]], seed: int = 0) -> dict:
+    """Exact greedy accuracy by question type on `items`, with the real images and with a blank one, and
+    each question's answer loss (the negative log-likelihood of its answer tokens and `<|im_end|>`, summed;
+    its mean by type is `nll`). The loss moves before the accuracy does: an image that lowers it below the
+    blank image's is read, even while the greedy answers are still the prior's. Under `mmbench`, the same
+    for the same questions in MMBench form (`heldout_mmbench(seed, items)`): a model can read the image
+    (right in VQA form) and still not map the answer to its option's letter."""
+    return {
+        **_accuracy_by_type(model, packer, items),
+        "mmbench": _accuracy_by_type(model, packer, heldout_mmbench(seed, items)),
+    }
+
+
 def format_check(res: dict) -> str:
     """A held-out check as a table: per type, % right and mean answer loss with the image and the blank."""
     img, blank = res["image"], res["blank"]
@@ -320,6 +340,13 @@ def format_check(res: dict) -> str:
     rows.append(
         f"| all | {img['n']} | {img['all']:.1f} / {blank['all']:.1f} | {img['nll_all']:.3f} / {blank['nll_all']:.3f} |"
     )
+    if "mmbench" in res:
+        rows += [
+            "",
+            "The same questions in MMBench form (options in a random order, the answer is a letter):",
+            "",
+        ]
+        rows.append(format_check(res["mmbench"]))
     return "\n".join(rows)
 
 
@@ -529,20 +556,20 @@ class Trainer:
 
     def evaluate(self) -> dict:
         self.model.eval()
-        return heldout_accuracy(self.model, self.packer, self.heldout)
+        return heldout_accuracy(self.model, self.packer, self.heldout, self.cfg.seed + HELDOUT_SEED_OFFSET)
 
-    def check(self, scenes: int) -> tuple[dict, Path]:
+    def check(self, scenes: int, tag: str | None = None) -> tuple[dict, Path]:
         """The held-out check on `scenes` scenes (the periodic check's stream: its first `eval_images` are
-        the periodic check's own) at the checkpoint's step, written to OUT/check-STEP-SCENES.json."""
+        the periodic check's own) at the checkpoint's step, written to OUT/check-TAG-SCENES.json (TAG: the
+        step, 8 digits, unless given)."""
         if scenes < 1:
             raise ConfigError(f"--check takes a number of scenes >= 1, got {scenes}")
         self.model.eval()
         t0 = time.monotonic()
-        res = heldout_accuracy(
-            self.model, self.packer, heldout_items(self.cfg.seed + HELDOUT_SEED_OFFSET, scenes)
-        )
+        seed = self.cfg.seed + HELDOUT_SEED_OFFSET
+        res = heldout_accuracy(self.model, self.packer, heldout_items(seed, scenes), seed)
         res = {"step": self.step, "scenes": scenes, "sec": round(time.monotonic() - t0, 1), **res}
-        path = self.out / f"check-{self.step:08d}-{scenes}.json"
+        path = self.out / f"check-{tag or f'{self.step:08d}'}-{scenes}.json"
         atomic_write_text(path, json.dumps(res, indent=1) + "\n")
         return res, path
 
@@ -589,13 +616,16 @@ class Trainer:
         rec = {"step": self.step, "eval": res, "sec": round(time.monotonic() - t0, 1)}
         self._log(rec)
         log.info(
-            "step %d held-out %.1f%% (blank image %.1f%%), answer loss %.3f (blank image %.3f) %s",
+            "step %d held-out %.1f%% (blank image %.1f%%), answer loss %.3f (blank image %.3f) %s; "
+            "MMBench form %.1f%% (blank image %.1f%%)",
             self.step,
             res["image"]["all"],
             res["blank"]["all"],
             res["image"]["nll_all"],
             res["blank"]["nll_all"],
             res["image"]["by_type"],
+            res["mmbench"]["image"]["all"],
+            res["mmbench"]["blank"]["all"],
         )
         self.export()
 
