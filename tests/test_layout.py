@@ -149,3 +149,29 @@ def test_a_checkout_kernels_folder_imported_as_top_level_kernels_runs_nothing():
         assert Path(file).resolve().parent == (ROOT / "kernels").resolve()
     else:
         assert has_version == "True" and Path(file).resolve() == Path(hub.origin).resolve(), out.stdout
+
+
+def test_every_folder_that_holds_files_is_a_package_the_wheel_ships():
+    """A folder missing from pyproject's `packages` is left out of a built wheel (`pip install .` without -e):
+    its modules fail to import and its data (weights, dev sets) is not there. Every folder of the three
+    package roots that holds a file is listed."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    assert {k: ROOT / v for k, v in setup["package-dir"].items()} == PACKAGES
+    missing = []
+    for pkg, folder in PACKAGES.items():
+        for d in [folder, *folder.rglob("*")]:
+            if (
+                not d.is_dir()
+                or "__pycache__" in d.parts
+                or ".venv" in d.parts
+                or d.name.endswith(".egg-info")
+            ):
+                continue
+            if any(f.is_file() and f.name != ".DS_Store" for f in d.iterdir()):
+                name = ".".join([pkg, *d.relative_to(folder).parts])
+                if name not in listed:
+                    missing.append(name)
+    assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {missing}"
