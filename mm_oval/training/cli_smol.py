@@ -108,11 +108,18 @@ def _config(args: argparse.Namespace) -> SmolTrainConfig:
         if args.check is None:
             raise ConfigError("--parts names the trained parts --check checks; add --check SCENES")
         from ..zoo.smol import has_trained_parts
+        from .smol import CHECKPOINT, STATE
 
-        if not has_trained_parts(_parts_folder(args)):
+        folder = _parts_folder(args)
+        if not has_trained_parts(folder):
             raise ConfigError(
-                f"--parts {args.parts}: no trained projector in {_parts_folder(args)}; give a train-smol "
-                "OUT/parts folder or 'bundled'"
+                f"--parts {args.parts}: no trained projector in {folder}; give a train-smol OUT/parts folder "
+                "or 'bundled'"
+            )
+        if (Path(args.out) / CHECKPOINT / STATE).is_file():
+            raise ConfigError(
+                f"--parts checks trained parts, but {args.out} holds a training checkpoint that would replace "
+                "them; give another --out"
             )
     cfg = SmolTrainConfig(
         seed=args.seed,
@@ -147,11 +154,6 @@ def _run(args: argparse.Namespace, cfg: SmolTrainConfig) -> int:
     model.to(device)
     trainer = Trainer(model, processor, args.out, cfg)
     if args.check is not None:
-        if args.parts is not None and trainer.step:
-            raise ConfigError(
-                f"--parts checks trained parts, but {args.out} holds a training checkpoint (step "
-                f"{trainer.step}) that would replace them; give another --out"
-            )
         res, path = trainer.check(args.check, tag="parts" if args.parts is not None else None)
         if args.parts is not None:
             what = f"the parts in {args.parts}"
