@@ -322,6 +322,47 @@ def test_train_router_version_2_saves_each_epoch_resumes_and_serves(tiny_random_
     assert main([*argv, "--base-options", "[1]"]) == 2  # a user error: one line, exit status 2
 
 
+def test_train_router_version_2_refuses_a_capture_made_with_other_pinned_tokens(
+    tiny_random_llava_dir, tmp_path, capsys
+):
+    """The captures in --out are reused only for the options they were made with: captured with 4 sinks,
+    a run for 0 sinks (another set of candidate pages) is refused, naming the option, before it trains."""
+    import json
+
+    from mm_oval.cli import main
+
+    out = tmp_path / "r2"
+    argv = ["train-router", "--version", "2", "--model", str(tiny_random_llava_dir), "--out", str(out)]
+    argv += ["--data", "zoo:2", "--val", "", "--max-new-tokens", "2", "--batch", "4", "--threads", "1"]
+    assert main([*argv, "--epochs", "1"]) == 0
+    made = json.loads((out / "history.json").read_text())
+    assert main([*argv, "--epochs", "2", "--resume", "--sink-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "capture_train.safetensors was captured with other options" in err
+        and "sink_tokens: 4 there, 0 now" in err
+    )
+    assert json.loads((out / "history.json").read_text()) == made  # nothing trained
+    assert main([*argv, "--recent-tokens", "-1"]) == 2
+
+
+def test_pinned_tokens_while_capturing_decide_which_image_pages_are_candidates(tiny_random_llava):
+    """Captured with no pinned tokens every image page is a candidate; with sinks reaching into the image
+    (4 by default, more than the tokens before it) its first page is pinned, as the serving cache pins it."""
+    model, processor = tiny_random_llava
+    prompts = zoo_prompts(1, seed=11)
+    cand = {}
+    for sinks in (0, 64):
+        (s,) = capture_router2_data(
+            model, processor, prompts, make_retrieval("quest"), max_new_tokens=1, sink_tokens=sinks,
+            recent_tokens=0,
+        )  # fmt: skip
+        cand[sinks] = s.candidate & (s.kind == IMAGE)
+    images = int((s.kind == IMAGE).sum())
+    assert int(cand[0].sum()) == images
+    assert int(cand[64].sum()) < images and not bool(cand[64][(s.kind == IMAGE).nonzero()[0]])
+
+
 def test_over_a_compact_base_the_router_record_is_int8_and_scores_what_the_float_record_scores(
     tiny_random_llava,
 ):

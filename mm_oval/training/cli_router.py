@@ -60,6 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="image pages: tiles of this side (default: %(default)s, as wrap)",
     )
     parser.add_argument("--text-page-size", type=int, default=16)
+    parser.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=4,
+        help="first tokens pinned (always read, never a candidate page) while capturing, as the cache the router "
+        "will serve pins them (default: %(default)s, as wrap; the bundled-smol sweeps use 3)",
+    )
+    parser.add_argument(
+        "--recent-tokens",
+        type=int,
+        default=16,
+        help="last prompt tokens pinned while capturing (default: %(default)s, as wrap; the sweeps use 0)",
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=16)
@@ -109,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    for name in ("sink_tokens", "recent_tokens"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.version == 2:
         return run2(args)
     if args.lora_only and not args.init:
@@ -127,6 +143,8 @@ def _run(args: argparse.Namespace) -> int:
         prompt_queries=args.prompt_queries,
         image_tile=args.image_tile,
         text_page_size=args.text_page_size,
+        sink_tokens=args.sink_tokens,
+        recent_tokens=args.recent_tokens,
         keep_tiles=encoder is not None,
     )
     train_prompts = load_prompts(args.data, seed=args.seed + 1000)
@@ -177,6 +195,26 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_capture_options(path: Path, options: dict) -> None:
+    """Refuse to reuse a capture made with other options (another model, data, base scorer, page layout or
+    pinned tokens): its targets would be another setting's, and the router trained on them would be too."""
+    from .router import capture_options
+
+    made = capture_options(path)
+    if made is None:
+        raise ConfigError(
+            f"{path} does not record the options it was captured with (an older capture): delete it to "
+            "capture again, or train in a new --out"
+        )
+    differ = sorted(k for k in options.keys() | made.keys() if made.get(k) != options.get(k))
+    if differ:
+        what = "; ".join(f"{k}: {made.get(k)!r} there, {options.get(k)!r} now" for k in differ)
+        raise ConfigError(
+            f"{path} was captured with other options ({what}): pass the same options, train in a new --out, "
+            "or delete the capture to make it again"
+        )
+
+
 def run2(args: argparse.Namespace) -> int:
     """Router v2: capture (or reuse the captures in --out), train with a checkpoint per epoch, save."""
     import json
@@ -217,13 +255,21 @@ def run2(args: argparse.Namespace) -> int:
         prompt_queries=args.prompt_queries,
         image_tile=args.image_tile,
         text_page_size=args.text_page_size,
+        sink_tokens=args.sink_tokens,
+        recent_tokens=args.recent_tokens,
     )
     sets = {}
     for split, spec, seed in (("train", args.data, 1000), ("val", args.val, 2000)):
         path = out / f"capture_{split}.safetensors"
+        # what a capture depends on: a reused one must have been made with the same
+        options = {
+            **kw, "model": args.model or "bundled", "data": spec, "seed": args.seed + seed, "base": args.base,
+            "base_options": base_options,
+        }  # fmt: skip
         if not spec:
             sets[split] = []
         elif path.is_file():
+            check_capture_options(path, options)
             sets[split] = load_router2_capture(path)
             log.info("reusing %d captured %s prompts from %s", len(sets[split]), split, path)
         else:
@@ -231,7 +277,7 @@ def run2(args: argparse.Namespace) -> int:
             sets[split] = capture_router2_data(
                 model, processor, tqdm(prompts, desc=f"capture {split}"), base, **kw
             )
-            save_router2_capture(sets[split], path)
+            save_router2_capture(sets[split], path, options)
     history_path = out / "history.json"
     start, history = 0, []
     if args.resume and (out / CONFIG_FILE).is_file() and history_path.is_file():

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import random
@@ -740,8 +741,10 @@ def _prompt_inputs(
 _R2_FIELDS = ("content", "kind", "candidate", "last_hidden", "mass", "base", "base_prev")
 
 
-def save_router2_capture(samples: list[Router2Sample], path: str | Path) -> None:
-    """The captured samples as one safetensors file (each field concatenated, with per-sample lengths)."""
+def save_router2_capture(samples: list[Router2Sample], path: str | Path, options: dict | None = None) -> None:
+    """The captured samples as one safetensors file (each field concatenated, with per-sample lengths);
+    `options`, what the capture was made with (JSON), in its metadata, so that a run reusing it can check them
+    (`capture_options`)."""
     from safetensors.torch import save
 
     from ..files import atomic_write_bytes
@@ -752,7 +755,20 @@ def save_router2_capture(samples: list[Router2Sample], path: str | Path) -> None
     tensors["dims"] = torch.tensor(
         [*samples[0].mass.shape[1:3], samples[0].content.shape[1]]
     )  # L, Hkv, hidden
-    atomic_write_bytes(Path(path), save(tensors))
+    meta = {"options": json.dumps(options, sort_keys=True)} if options is not None else None
+    atomic_write_bytes(Path(path), save(tensors, metadata=meta))
+
+
+def capture_options(path: str | Path) -> dict | None:
+    """The options a router v2 capture was made with (`save_router2_capture`), None if it records none."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        return json.loads(meta["options"]) if "options" in meta else None
+    except (SafetensorError, OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not a router v2 capture ({e}); delete it to capture again") from e
 
 
 def load_router2_capture(path: str | Path) -> list[Router2Sample]:
