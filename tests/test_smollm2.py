@@ -201,6 +201,63 @@ def test_train_smol_resumes_exactly(smol_llava, tmp_path):
         torch.testing.assert_close(forward_packed(loaded, packed, pixel_values([item.image])), got)
 
 
+@pytest.mark.real_lm
+def test_train_smol_init_starts_from_trained_parts_and_exports_one_adapter(smol_llava, tmp_path):
+    """A run with `init_parts` (`train-smol --init DIR`) starts where those parts are (its step 0 answers as
+    they do), trains the same adapter on, exports it as one adapter with the parts' learning curve beside its
+    own, and resumes from its own checkpoint; a checkpoint of a run from other parts is refused."""
+    from mm_oval.errors import DataError
+    from mm_oval.training.smol import INIT_LOG, SmolTrainConfig, Trainer, forward_packed
+    from mm_oval.zoo.model import pixel_values
+    from mm_oval.zoo.smol import load_trained_parts
+
+    base, processor = smol_llava
+    cfg = dict(questions_per_image=2, images_per_step=1, eval_every=0, checkpoint_every=1, eval_images=1)
+    first = Trainer(copy.deepcopy(base), processor, tmp_path / "a", SmolTrainConfig(**cfg))
+    first.run(steps=1)
+    parts = first.export()
+    item = first.sampler.item(99, 2)
+    packed, pixel = first.packer.pack(item.questions), pixel_values([item.image])
+
+    def logits(model):
+        with torch.no_grad():
+            return forward_packed(model.eval(), packed, pixel)
+
+    more = SmolTrainConfig(**cfg, seed=1, init_parts=str(parts))
+    second = Trainer(copy.deepcopy(base), processor, tmp_path / "b", more)
+    assert second.step == 0
+    torch.testing.assert_close(logits(second.model), logits(first.model))
+    second.run(steps=1)
+    trained = logits(second.model)
+    assert not torch.allclose(trained, logits(first.model))  # trained on from there
+    out = second.export()
+    assert (out / INIT_LOG).read_text() == (parts / "train_log.jsonl").read_text()
+    merged = copy.deepcopy(base)
+    load_trained_parts(merged, out, merge=True)  # one adapter: the parts load as any run's
+    torch.testing.assert_close(logits(merged), trained, rtol=1e-4, atol=1e-3)
+    again = Trainer(copy.deepcopy(base), processor, tmp_path / "b", more)
+    assert again.step == 1
+    torch.testing.assert_close(logits(again.model), trained)  # the checkpoint's weights, not the init's
+    other = SmolTrainConfig(**cfg, seed=1, init_parts=str(tmp_path / "elsewhere"))
+    with pytest.raises(DataError, match="init_parts"):
+        Trainer(copy.deepcopy(base), processor, tmp_path / "b", other)
+
+
+def test_train_smol_init_and_mmbench_fraction_are_checked_before_loading(tmp_path, capsys):
+    from mm_oval.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv, says in (
+        (["--init", str(empty)], f"--init {empty}: no trained projector there"),
+        (["--init", "bundled", "--check", "1", "--parts", "bundled"], "give one of them"),
+        (["--mmbench-fraction", "1.5"], "mmbench_fraction must lie in [0, 1], got 1.5"),
+    ):
+        assert main(["train-smol", "--out", str(tmp_path / "run"), *argv]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_bundled_smol_parts_folder_without_trained_parts_is_refused_naming_it(tmp_path):
     from mm_oval.modelfiles import load_model
 

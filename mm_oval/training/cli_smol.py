@@ -5,6 +5,7 @@
     mm-oval train-smol --out runs/smol --minutes 30    # 30 more minutes
     mm-oval train-smol --out runs/smol --check 24      # no training: the held-out check on 24 scenes
     mm-oval train-smol --out runs/check --check 24 --parts bundled   # the same check of bundled-smol's own parts
+    mm-oval train-smol --out runs/more --init bundled --seed 1 --mmbench-fraction 0.6   # bundled-smol, trained on
     cp -r runs/smol runs/smol-cool                     # a release: a copy whose learning rates decay to 0
     mm-oval train-smol --out runs/smol-cool --steps 4300 --cooldown 300    # over its last 300 steps
 
@@ -91,6 +92,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --check: check these trained parts instead of a checkpoint (a train-smol OUT/parts folder, "
         "or 'bundled' for bundled-smol's own); writes OUT/check-parts-SCENES.json",
     )
+    p.add_argument(
+        "--init",
+        default=None,
+        metavar="DIR",
+        help="start the run from trained parts (a train-smol OUT/parts folder, or 'bundled' for bundled-smol's "
+        "own) and train them on; with another --seed it draws scenes they were not trained on",
+    )
+    p.add_argument(
+        "--mmbench-fraction",
+        type=float,
+        default=d.mmbench_fraction,
+        help="share of the questions asked in MMBench form (options, a letter to answer; default %(default)s)",
+    )
     p.add_argument("--device", default=None, help="cuda, cpu (default: the GPU when there is one)")
 
 
@@ -104,6 +118,15 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> SmolTrainConfig:
     if args.check is not None and args.check < 1:
         raise ConfigError(f"--check takes a number of scenes >= 1, got {args.check}")
+    if args.init is not None and args.parts is not None:
+        raise ConfigError("--init starts a training run from parts, --parts checks parts: give one of them")
+    if args.init is not None and args.init != "bundled":
+        from ..zoo.smol import has_trained_parts
+
+        if not has_trained_parts(args.init):
+            raise ConfigError(
+                f"--init {args.init}: no trained projector there; give a train-smol OUT/parts folder or 'bundled'"
+            )
     if args.parts is not None:
         if args.check is None:
             raise ConfigError("--parts names the trained parts --check checks; add --check SCENES")
@@ -137,6 +160,8 @@ def _config(args: argparse.Namespace) -> SmolTrainConfig:
         eval_images=args.eval_images,
         images_per_forward=args.images_per_forward,
         workers=args.workers,
+        mmbench_fraction=args.mmbench_fraction,
+        init_parts=args.init,
     )
     cfg.validate()
     return cfg
@@ -159,6 +184,8 @@ def _run(args: argparse.Namespace, cfg: SmolTrainConfig) -> int:
             what = f"the parts in {args.parts}"
         elif trainer.step:
             what = f"step {trainer.step}"
+        elif args.init is not None:
+            what = f"step 0 (the parts in {args.init}, no checkpoint in {args.out})"
         else:
             what = f"step 0 (no checkpoint in {args.out}: untrained)"
         print(f"train-smol: held-out check at {what}, {args.check} scenes ({res['sec']} s):")

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file, save
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, ModelError
 from ..files import atomic_write_bytes, atomic_write_text
 from ..prompts import chat_prompt
 from ..zoo import smol
@@ -58,6 +58,7 @@ CHECKPOINT = "checkpoint"
 STATE = "state.json"
 LOG = "log.jsonl"
 PARTS = "parts"
+INIT_LOG = "init_train_log.jsonl"  # in a run's parts: the learning curve of the parts it started from
 BLANK_GREY = (128, 128, 128)
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out scenes' stream: heldout_items(seed + this, n)
 
@@ -86,6 +87,9 @@ class SmolTrainConfig:
     workers: int = 0  # data worker processes preparing the next steps' images (0: in the training process)
     min_objects: int = 4
     max_objects: int = MAX_OBJECTS
+    # a run that starts from trained parts (a train-smol OUT/parts folder): its projector and adapter are
+    # the starting weights, trained on (one adapter, exported as one); None: from scratch
+    init_parts: str | None = None
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -108,11 +112,18 @@ class SmolTrainConfig:
             )
         if self.lm_dtype not in ("auto", "bfloat16", "float32"):
             raise ConfigError(f"lm_dtype must be auto, bfloat16 or float32, got {self.lm_dtype!r}")
+        if not 0.0 <= self.mmbench_fraction <= 1.0:
+            raise ConfigError(f"mmbench_fraction must lie in [0, 1], got {self.mmbench_fraction}")
 
     # what must match between a checkpoint and a resumed run (the rest may change, e.g. eval frequency)
     def identity(self) -> dict:
         keys = ("seed", "questions_per_image", "images_per_step", "lora", "lm_dtype", "mmbench_fraction")
-        return {k: getattr(self, k) for k in keys}
+        out = {k: getattr(self, k) for k in keys}
+        if (
+            self.init_parts is not None
+        ):  # absent from a run from scratch (and from checkpoints made before it)
+            out["init_parts"] = self.init_parts
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -403,6 +414,43 @@ def load_trained_state(model: Any, cfg: SmolTrainConfig, state: dict[str, torch.
         smol.load_lora_state(model, {k[len("lora.") :]: v for k, v in state.items() if k.startswith("lora.")})
 
 
+def load_init_parts(model: Any, cfg: SmolTrainConfig) -> None:
+    """The starting weights of a run from trained parts (`cfg.init_parts`): their projector and adapter
+    loaded into the run's own (unmerged, trainable), so that step 0 answers as the parts do and the export is
+    one adapter again ('bundled': bundled-smol's own parts). The adapter must have the run's shape (rank,
+    alpha, target layers)."""
+    folder = smol.parts_dir() if cfg.init_parts == "bundled" else Path(cfg.init_parts)
+    if not smol.has_trained_parts(folder):
+        raise ConfigError(f"--init {folder}: no trained projector there; give a train-smol OUT/parts folder")
+    has_adapter = (folder / smol.ADAPTER_FILE).is_file()
+    if has_adapter != cfg.lora:
+        raise ConfigError(
+            f"--init {folder}: the parts {'hold' if has_adapter else 'hold no'} LoRA adapter and this run "
+            f"{'trains one' if cfg.lora else 'trains none (--no-lora)'}; start a run of the same kind"
+        )
+    try:
+        made = json.loads((folder / smol.ADAPTER_CONFIG).read_text()) if has_adapter else None
+        adapter = load_file(str(folder / smol.ADAPTER_FILE)) if has_adapter else None
+        projector = load_file(str(folder / smol.PROJECTOR_FILE))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"--init {folder}: the trained parts cannot be read ({e})") from e
+    if made is not None:
+        want = smol.lora_config()
+        got = (made.get("r"), made.get("lora_alpha"), sorted(made.get("target_modules") or ()))
+        if got != (want.r, want.lora_alpha, sorted(want.target_modules)):
+            raise ConfigError(
+                f"--init {folder}: its adapter (r, alpha, layers = {got}) is not the shape train-smol trains "
+                f"({(want.r, want.lora_alpha, sorted(want.target_modules))})"
+            )
+    try:
+        if adapter is not None:
+            smol.load_lora_state(model, adapter)
+        model.model.multi_modal_projector.load_state_dict(projector)
+    except RuntimeError as e:
+        raise ModelError(f"--init {folder}: the trained parts do not fit this model ({e})") from e
+    log.info("starting from the trained parts in %s", folder)
+
+
 def lr_factor(step: int, warmup: int, cooldown: int = 0, end: int | None = None) -> float:
     """The learning rates' factor for the step taken from `step` (0-based): a linear warmup over `warmup`
     steps, then 1, then (with a cooldown) a linear decay over the `cooldown` steps before `end`, reaching
@@ -429,7 +477,8 @@ class Trainer:
         self._loader, self._loader_at = None, -1
         self.step = 0
         self.heldout = heldout_items(cfg.seed + HELDOUT_SEED_OFFSET, cfg.eval_images)
-        self.resume()
+        if not self.resume() and cfg.init_parts is not None:
+            load_init_parts(model, cfg)
 
     # -- checkpoints
     @property
@@ -460,10 +509,11 @@ class Trainer:
             if old.name not in (weights, optim):
                 old.unlink(missing_ok=True)
 
-    def resume(self) -> None:
+    def resume(self) -> bool:
+        """Continue from the checkpoint in OUT (True), or find none (False)."""
         path = self.ckpt_dir / STATE
         if not path.is_file():
-            return
+            return False
         try:
             state = json.loads(path.read_text())
             if state["identity"] != self.cfg.identity():
@@ -485,6 +535,7 @@ class Trainer:
         self.step = int(state["step"])
         self._trim_log()
         log.info("resumed from step %d (%s)", self.step, self.ckpt_dir)
+        return True
 
     def _trim_log(self) -> None:
         """Drop log lines of steps after the checkpoint (written before an interruption; redone now)."""
@@ -586,6 +637,11 @@ class Trainer:
         smol.write_token_record(folder, self.packer.image_id)
         if (self.out / LOG).is_file():
             shutil.copyfile(self.out / LOG, folder / "train_log.jsonl")
+        if self.cfg.init_parts is not None:  # the learning curve before this run's
+            init = self.cfg.init_parts
+            before = (smol.parts_dir() if init == "bundled" else Path(init)) / "train_log.jsonl"
+            if before.is_file() and before.resolve() != (folder / INIT_LOG).resolve():
+                shutil.copyfile(before, folder / INIT_LOG)
         return folder
 
     def run(self, steps: int | None = None, minutes: float | None = None) -> dict:
