@@ -243,7 +243,7 @@ def test_train_smol_init_starts_from_trained_parts_and_exports_one_adapter(smol_
         Trainer(copy.deepcopy(base), processor, tmp_path / "b", other)
 
 
-def test_train_smol_init_and_mmbench_fraction_are_checked_before_loading(tmp_path, capsys):
+def test_train_smol_init_and_question_mix_options_are_checked_before_loading(tmp_path, capsys):
     from mm_oval.cli import main
 
     empty = tmp_path / "empty"
@@ -252,6 +252,7 @@ def test_train_smol_init_and_mmbench_fraction_are_checked_before_loading(tmp_pat
         (["--init", str(empty)], f"--init {empty}: no trained projector there"),
         (["--init", "bundled", "--check", "1", "--parts", "bundled"], "give one of them"),
         (["--mmbench-fraction", "1.5"], "mmbench_fraction must lie in [0, 1], got 1.5"),
+        (["--answer-hint-fraction", "-0.1"], "answer_hint_fraction must lie in [0, 1], got -0.1"),
     ):
         assert main(["train-smol", "--out", str(tmp_path / "run"), *argv]) == 2
         assert says in capsys.readouterr().err

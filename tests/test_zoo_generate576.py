@@ -387,6 +387,33 @@ def test_train_sampler_is_deterministic_and_seeded():
     assert {q.qtype for q in only.item(0, 6).questions} == {"left of"}
 
 
+def test_answer_hints_state_the_right_option_and_leave_the_default_stream_as_it_was():
+    """`answer_hint_fraction`: that share of the MMBench-form questions (hint lookups aside) carries the hint
+    "the answer is X ." with X the text of the answer letter's option; 0 (the default) draws exactly the items
+    a sampler without the option drew (runs resume on their own data)."""
+    hinted = TrainSampler576(seed=3, mmbench_fraction=1.0, answer_hint_fraction=1.0)
+    plain = TrainSampler576(seed=3, mmbench_fraction=1.0)
+    n = 0
+    for i in range(10):
+        for q in hinted.item(i, 12).questions:
+            if q.qtype in ("list", "hint lookup"):
+                continue
+            assert q.hint == f"the answer is {_mmb_answer(q)} ." and q.hint in q.mmbench_prompt()
+            n += 1
+    assert n > 50
+    half = TrainSampler576(seed=3, mmbench_fraction=1.0, answer_hint_fraction=0.5)
+    hints = [q.hint.startswith("the answer is") for i in range(10) for q in half.item(i, 12).questions]
+    assert 0.2 < sum(hints) / len(hints) < 0.6
+    zero = TrainSampler576(seed=3, mmbench_fraction=1.0, answer_hint_fraction=0.0)
+    for i in range(5):
+        a, b = plain.item(i, 12).questions, zero.item(i, 12).questions
+        assert [(q.text, q.hint, q.options, q.answer) for q in a] == [
+            (q.text, q.hint, q.options, q.answer) for q in b
+        ]
+    with pytest.raises(ConfigError, match="answer_hint_fraction"):
+        TrainSampler576(seed=3, answer_hint_fraction=1.5)
+
+
 def test_make_questions576_gives_one_question_of_each_allowed_type():
     rng = random.Random(5)
     for _ in range(30):

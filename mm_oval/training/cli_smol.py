@@ -105,6 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.mmbench_fraction,
         help="share of the questions asked in MMBench form (options, a letter to answer; default %(default)s)",
     )
+    p.add_argument(
+        "--answer-hint-fraction",
+        type=float,
+        default=d.answer_hint_fraction,
+        help="of the MMBench-form questions, the share whose hint states the answer ('the answer is red .'): "
+        "a lesson in option letters apart from the image (default %(default)s)",
+    )
     p.add_argument("--device", default=None, help="cuda, cpu (default: the GPU when there is one)")
 
 
@@ -161,6 +168,7 @@ def _config(args: argparse.Namespace) -> SmolTrainConfig:
         images_per_forward=args.images_per_forward,
         workers=args.workers,
         mmbench_fraction=args.mmbench_fraction,
+        answer_hint_fraction=args.answer_hint_fraction,
         init_parts=args.init,
     )
     cfg.validate()

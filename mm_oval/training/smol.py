@@ -80,6 +80,9 @@ class SmolTrainConfig:
     lora: bool = True
     lm_dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU (see resolve_lm_dtype)
     mmbench_fraction: float = 0.3
+    # of the MMBench-form questions (hint lookups aside), the share whose hint states the answer
+    # (`generate576.answer_hint`): teaches the option letters apart from reading the image
+    answer_hint_fraction: float = 0.0
     checkpoint_every: int = 10
     eval_every: int = 50
     eval_images: int = 6
@@ -112,17 +115,19 @@ class SmolTrainConfig:
             )
         if self.lm_dtype not in ("auto", "bfloat16", "float32"):
             raise ConfigError(f"lm_dtype must be auto, bfloat16 or float32, got {self.lm_dtype!r}")
-        if not 0.0 <= self.mmbench_fraction <= 1.0:
-            raise ConfigError(f"mmbench_fraction must lie in [0, 1], got {self.mmbench_fraction}")
+        for name in ("mmbench_fraction", "answer_hint_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
 
     # what must match between a checkpoint and a resumed run (the rest may change, e.g. eval frequency)
     def identity(self) -> dict:
         keys = ("seed", "questions_per_image", "images_per_step", "lora", "lm_dtype", "mmbench_fraction")
         out = {k: getattr(self, k) for k in keys}
-        if (
-            self.init_parts is not None
-        ):  # absent from a run from scratch (and from checkpoints made before it)
+        # absent when unused: the identity of every checkpoint made before these options existed
+        if self.init_parts is not None:
             out["init_parts"] = self.init_parts
+        if self.answer_hint_fraction:
+            out["answer_hint_fraction"] = self.answer_hint_fraction
         return out
 
 
@@ -471,7 +476,11 @@ class Trainer:
         self.params = [p for g in self.groups for p in g["params"]]
         self.opt = torch.optim.AdamW(self.groups, lr=cfg.lr_projector, weight_decay=0.0)
         self.sampler = TrainSampler576(
-            cfg.seed, cfg.min_objects, cfg.max_objects, mmbench_fraction=cfg.mmbench_fraction
+            cfg.seed,
+            cfg.min_objects,
+            cfg.max_objects,
+            mmbench_fraction=cfg.mmbench_fraction,
+            answer_hint_fraction=cfg.answer_hint_fraction,
         )
         self.items = TrainItems(self.sampler, self.packer, cfg.questions_per_image)
         self._loader, self._loader_at = None, -1

@@ -25,7 +25,7 @@ import math
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -380,6 +380,11 @@ def distractor_hint(scene: Scene, q: Question, rng: random.Random) -> str:
     return f"the {o.shape} in {region_words(o)} is {o.color} ."
 
 
+def answer_hint(q: Question) -> str:
+    """A hint that states a multiple-choice question's answer in words (its option's text)."""
+    return f"the answer is {q.options[LETTERS.index(q.answer)]} ."
+
+
 def to_mmbench(scene: Scene, q: Question, rng: random.Random, hint_mode: str = "none") -> Question:
     """Turn a question into a multiple-choice one: 2 options (yes/no), 3 (counts, 0..MAX_PER_COLOR) or 4
     (colours, shapes)."""
@@ -634,8 +639,14 @@ class TrainSampler576:
         max_objects: int = MAX_OBJECTS,
         mmbench_fraction: float = 0.3,
         type_weights: dict[str, float] | None = None,
+        answer_hint_fraction: float = 0.0,
     ):
         check_sampler_options(mmbench_fraction, type_weights, TRAIN_KINDS)
+        if not 0.0 <= answer_hint_fraction <= 1.0:
+            raise ConfigError(f"answer_hint_fraction must be in [0, 1], got {answer_hint_fraction}")
+        # the share of MMBench-form questions (hint lookups aside) whose hint states the answer: a lesson in
+        # mapping an answer to its option's letter without having to find the answer in the image first
+        self.answer_hint_fraction = answer_hint_fraction
         self.type_weights = [float((type_weights or {}).get(k, 1.0)) for k in TRAIN_KINDS]
         if not any(self.type_weights):
             raise ConfigError("type_weights: at least one type needs a positive weight")
@@ -665,5 +676,12 @@ class TrainSampler576:
             if qtype == HINT_LOOKUP or (qtype != LIST and rng.random() < self.mmbench_fraction):
                 distract = qtype != HINT_LOOKUP and rng.random() < DISTRACTOR_FRACTION
                 q = to_mmbench(scene, q, rng, hint_mode="distractor" if distract else "none")
+                # drawn only when asked for, so that a sampler without answer hints draws the stream it always did
+                if (
+                    self.answer_hint_fraction
+                    and qtype != HINT_LOOKUP
+                    and rng.random() < self.answer_hint_fraction
+                ):
+                    q = replace(q, hint=answer_hint(q))
             questions.append(q)
         return TrainItem(scene, scene.render(), questions)
