@@ -419,11 +419,11 @@ def load_trained_state(model: Any, cfg: SmolTrainConfig, state: dict[str, torch.
         smol.load_lora_state(model, {k[len("lora.") :]: v for k, v in state.items() if k.startswith("lora.")})
 
 
-def load_init_parts(model: Any, cfg: SmolTrainConfig) -> None:
+def load_init_parts(model: Any, cfg: SmolTrainConfig) -> Path:
     """The starting weights of a run from trained parts (`cfg.init_parts`): their projector and adapter
     loaded into the run's own (unmerged, trainable), so that step 0 answers as the parts do and the export is
     one adapter again ('bundled': bundled-smol's own parts). The adapter must have the run's shape (rank,
-    alpha, target layers)."""
+    alpha, target layers). Returns the path of the parts' learning curve (which may not exist)."""
     folder = smol.parts_dir() if cfg.init_parts == "bundled" else Path(cfg.init_parts)
     if not smol.has_trained_parts(folder):
         raise ConfigError(f"--init {folder}: no trained projector there; give a train-smol OUT/parts folder")
@@ -454,6 +454,7 @@ def load_init_parts(model: Any, cfg: SmolTrainConfig) -> None:
     except RuntimeError as e:
         raise ModelError(f"--init {folder}: the trained parts do not fit this model ({e})") from e
     log.info("starting from the trained parts in %s", folder)
+    return folder / "train_log.jsonl"
 
 
 def lr_factor(step: int, warmup: int, cooldown: int = 0, end: int | None = None) -> float:
@@ -487,7 +488,9 @@ class Trainer:
         self.step = 0
         self.heldout = heldout_items(cfg.seed + HELDOUT_SEED_OFFSET, cfg.eval_images)
         if not self.resume() and cfg.init_parts is not None:
-            load_init_parts(model, cfg)
+            before = load_init_parts(model, cfg)
+            if before.is_file():  # kept in OUT at the start: an export may overwrite the parts folder's own
+                atomic_write_text(self.out / INIT_LOG, before.read_text())
 
     # -- checkpoints
     @property
@@ -646,11 +649,8 @@ class Trainer:
         smol.write_token_record(folder, self.packer.image_id)
         if (self.out / LOG).is_file():
             shutil.copyfile(self.out / LOG, folder / "train_log.jsonl")
-        if self.cfg.init_parts is not None:  # the learning curve before this run's
-            init = self.cfg.init_parts
-            before = (smol.parts_dir() if init == "bundled" else Path(init)) / "train_log.jsonl"
-            if before.is_file() and before.resolve() != (folder / INIT_LOG).resolve():
-                shutil.copyfile(before, folder / INIT_LOG)
+        if (self.out / INIT_LOG).is_file():  # the learning curve of the parts this run started from
+            shutil.copyfile(self.out / INIT_LOG, folder / INIT_LOG)
         return folder
 
     def run(self, steps: int | None = None, minutes: float | None = None) -> dict:
