@@ -127,10 +127,10 @@ def _config(args: argparse.Namespace) -> SmolTrainConfig:
         raise ConfigError(f"--check takes a number of scenes >= 1, got {args.check}")
     if args.init is not None and args.parts is not None:
         raise ConfigError("--init starts a training run from parts, --parts checks parts: give one of them")
-    if args.init is not None and args.init != "bundled":
-        from ..zoo.smol import has_trained_parts
+    if args.init is not None:
+        from ..zoo.smol import has_trained_parts, parts_folder
 
-        if not has_trained_parts(args.init):
+        if not has_trained_parts(parts_folder(args.init)):
             raise ConfigError(
                 f"--init {args.init}: no trained projector there; give a train-smol OUT/parts folder or 'bundled'"
             )
@@ -206,9 +206,9 @@ def _run(args: argparse.Namespace, cfg: SmolTrainConfig) -> int:
 
 
 def _parts_folder(args: argparse.Namespace) -> Path:
-    from ..zoo.smol import parts_dir
+    from ..zoo.smol import parts_folder
 
-    return parts_dir() if args.parts == "bundled" else Path(args.parts)
+    return parts_folder(args.parts)
 
 
 def _load_parts(model, args: argparse.Namespace) -> None:

@@ -424,7 +424,7 @@ def load_init_parts(model: Any, cfg: SmolTrainConfig) -> Path:
     loaded into the run's own (unmerged, trainable), so that step 0 answers as the parts do and the export is
     one adapter again ('bundled': bundled-smol's own parts). The adapter must have the run's shape (rank,
     alpha, target layers). Returns the path of the parts' learning curve (which may not exist)."""
-    folder = smol.parts_dir() if cfg.init_parts == "bundled" else Path(cfg.init_parts)
+    folder = smol.parts_folder(cfg.init_parts)
     if not smol.has_trained_parts(folder):
         raise ConfigError(f"--init {folder}: no trained projector there; give a train-smol OUT/parts folder")
     has_adapter = (folder / smol.ADAPTER_FILE).is_file()

@@ -65,6 +65,11 @@ def parts_dir() -> Path:
     return Path(str(resources.files("mm_oval.zoo") / PARTS_FOLDER))
 
 
+def parts_folder(spec: str) -> Path:
+    """The trained-parts folder a command names: 'bundled' for bundled-smol's own, else the path given."""
+    return parts_dir() if spec == "bundled" else Path(spec)
+
+
 def add_image_token(lm: Any, tokenizer: Any) -> int:
     """Add `<image>` to SmolLM2's tokenizer and one embedding row (the mean of the others; the head stays
     tied to it). Returns the token id (49,152). Idempotent on the tokenizer."""
