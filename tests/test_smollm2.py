@@ -205,7 +205,8 @@ def test_train_smol_resumes_exactly(smol_llava, tmp_path):
 def test_train_smol_init_starts_from_trained_parts_and_exports_one_adapter(smol_llava, tmp_path):
     """A run with `init_parts` (`train-smol --init DIR`) starts where those parts are (its step 0 answers as
     they do), trains the same adapter on, exports it as one adapter with the parts' learning curve beside its
-    own, and resumes from its own checkpoint; a checkpoint of a run from other parts is refused."""
+    own, and resumes from its own checkpoint; a checkpoint of a run from other parts is refused. A run from
+    that run's parts keeps both earlier curves."""
     from mm_oval.errors import DataError
     from mm_oval.training.smol import INIT_LOG, SmolTrainConfig, Trainer, forward_packed
     from mm_oval.zoo.model import pixel_values
@@ -241,6 +242,12 @@ def test_train_smol_init_starts_from_trained_parts_and_exports_one_adapter(smol_
     other = SmolTrainConfig(**cfg, seed=1, init_parts=str(tmp_path / "elsewhere"))
     with pytest.raises(DataError, match="init_parts"):
         Trainer(copy.deepcopy(base), processor, tmp_path / "b", other)
+    third = Trainer(
+        copy.deepcopy(base), processor, tmp_path / "c", SmolTrainConfig(**cfg, init_parts=str(out))
+    )
+    third.run(steps=1)  # a chain of runs keeps every earlier run's learning curve, oldest first
+    lineage = (parts / "train_log.jsonl").read_text() + (out / "train_log.jsonl").read_text()
+    assert (third.export() / INIT_LOG).read_text() == lineage
 
 
 def test_train_smol_init_and_question_mix_options_are_checked_before_loading(tmp_path, capsys):

@@ -58,7 +58,9 @@ CHECKPOINT = "checkpoint"
 STATE = "state.json"
 LOG = "log.jsonl"
 PARTS = "parts"
-INIT_LOG = "init_train_log.jsonl"  # in a run's parts: the learning curve of the parts it started from
+# in a run's parts: the learning curves of the parts it started from and of theirs, oldest first (each one's
+# steps count from 0)
+INIT_LOG = "init_train_log.jsonl"
 BLANK_GREY = (128, 128, 128)
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out scenes' stream: heldout_items(seed + this, n)
 
@@ -423,7 +425,8 @@ def load_init_parts(model: Any, cfg: SmolTrainConfig) -> Path:
     """The starting weights of a run from trained parts (`cfg.init_parts`): their projector and adapter
     loaded into the run's own (unmerged, trainable), so that step 0 answers as the parts do and the export is
     one adapter again ('bundled': bundled-smol's own parts). The adapter must have the run's shape (rank,
-    alpha, target layers). Returns the path of the parts' learning curve (which may not exist)."""
+    alpha, target layers). Returns the learning curves of the parts' lineage, oldest first: the curves they
+    started from themselves (their `INIT_LOG`), then their own ('' when they carry none)."""
     folder = smol.parts_folder(cfg.init_parts)
     if not smol.has_trained_parts(folder):
         raise ConfigError(f"--init {folder}: no trained projector there; give a train-smol OUT/parts folder")
@@ -454,7 +457,13 @@ def load_init_parts(model: Any, cfg: SmolTrainConfig) -> Path:
     except RuntimeError as e:
         raise ModelError(f"--init {folder}: the trained parts do not fit this model ({e})") from e
     log.info("starting from the trained parts in %s", folder)
-    return folder / "train_log.jsonl"
+    curves = (folder / INIT_LOG, folder / "train_log.jsonl")
+    return "".join(_lines(f.read_text()) for f in curves if f.is_file())
+
+
+def _lines(text: str) -> str:
+    """`text` ending in a newline (unless empty), so that learning curves concatenate line by line."""
+    return text if not text or text.endswith("\n") else text + "\n"
 
 
 def lr_factor(step: int, warmup: int, cooldown: int = 0, end: int | None = None) -> float:
@@ -489,8 +498,8 @@ class Trainer:
         self.heldout = heldout_items(cfg.seed + HELDOUT_SEED_OFFSET, cfg.eval_images)
         if not self.resume() and cfg.init_parts is not None:
             before = load_init_parts(model, cfg)
-            if before.is_file():  # kept in OUT at the start: an export may overwrite the parts folder's own
-                atomic_write_text(self.out / INIT_LOG, before.read_text())
+            if before:  # kept in OUT at the start: an export may overwrite the parts folder's own
+                atomic_write_text(self.out / INIT_LOG, before)
 
     # -- checkpoints
     @property
@@ -649,7 +658,7 @@ class Trainer:
         smol.write_token_record(folder, self.packer.image_id)
         if (self.out / LOG).is_file():
             shutil.copyfile(self.out / LOG, folder / "train_log.jsonl")
-        if (self.out / INIT_LOG).is_file():  # the learning curve of the parts this run started from
+        if (self.out / INIT_LOG).is_file():  # the learning curves of the parts this run started from
             shutil.copyfile(self.out / INIT_LOG, folder / INIT_LOG)
         return folder
 
