@@ -148,3 +148,89 @@ def test_blank_images_copies_a_data_folder_with_every_image_grey(tmp_path):
         assert im.getpixel((0, 0)) == (255, 0, 0)
     proc = subprocess.run([*script, str(src), str(tmp_path / "blank")], capture_output=True, text=True)
     assert proc.returncode == 2 and "exists" in proc.stderr
+
+
+def test_kvp_temperature_layer_shares_are_what_one_ranking_over_every_layer_keeps():
+    """benchmarks/kvp_temperature.py reports how far the calibrated ranking over every layer moves from the
+    same count per layer: a layer whose head puts all its mass on one token gives up the rest of its count
+    to a layer whose mass is spread, and a temperature that flattens a head changes that."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from kvp_temperature import layer_shares
+
+    raw = torch.stack([torch.tensor([[20.0] + [0.0] * 9]), torch.zeros(1, 10)])  # (L 2, H 1, n 10)
+    ones = torch.ones(2, 1)
+    # 10%: one token per layer's head in all, two in all: layer 0's peak (log share ~0) and one of layer 1's
+    # (log 0.1); layer 0's other tokens (log share ~ -20) lose to layer 1's
+    torch.testing.assert_close(layer_shares(raw, ones, 0.1), torch.tensor([1.0, 1.0], dtype=torch.float64))
+    # 50%: ten in all: layer 0 keeps its peak alone (0.1 of its tokens = 0.2 of the budget), layer 1 nine
+    torch.testing.assert_close(layer_shares(raw, ones, 0.5), torch.tensor([0.2, 1.8], dtype=torch.float64))
+    # both heads peaked, layer 0's at temperature 0.01: nearly flat there (log shares -2.12 and -2.32), so
+    # layer 1 keeps its peak (~0) alone and layer 0 the other nine
+    peaked = torch.stack([raw[0], raw[0]])
+    flat0 = torch.tensor([[0.01], [1.0]])
+    torch.testing.assert_close(
+        layer_shares(peaked, flat0, 0.5), torch.tensor([1.8, 0.2], dtype=torch.float64)
+    )
+
+
+def test_paired_cells_compares_two_cells_unit_by_unit_and_refuses_cells_it_cannot_pair(tmp_path):
+    """benchmarks/paired_cells.py: two cells of one sweep are scored again per image, their scores are the
+    cells' own, and the difference, the units each is ahead in and the interval follow from the predictions;
+    cells of other questions, or whose score is not the mean over images, are refused with the reason."""
+    import shutil
+    from collections import Counter
+
+    import pytest
+    from mm_oval.eval.sweep import run_sweep
+    from mm_oval.eval.tasks import get_task, resolve_data
+
+    from mm_oval.errors import DataError, ResultsError
+    from mm_oval.modelfiles import load_model
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from paired_cells import compare
+
+    model, processor = load_model("bundled", device="cpu", dtype="float32")
+    task = get_task("vqav2")
+    data = resolve_data("bundled", task)
+    s = run_sweep(model, processor, "vqav2", data, ["streamingllm"], [0.1], tmp_path / "sw", limit=12,
+                  max_new_tokens=3, progress=False)  # fmt: skip
+    full, cell = tmp_path / "sw" / "full", tmp_path / "sw" / s["cells"][0]["dir"]
+    items = task.load(data, limit=12)
+    images = len({it.group for it in items})
+    r = compare(full, cell, resamples=200)
+    assert r["questions"] == 12 and r["units"] == images > 1
+    assert r["a"]["score"] == json.loads((full / "results.json").read_text())["primary"]
+    assert r["b"]["score"] == json.loads((cell / "results.json").read_text())["primary"]
+    assert r["units_a_ahead"] + r["units_b_ahead"] + r["units_tied"] == images
+
+    # two hand-made cells on the same questions: every answer right, and every answer wrong but one
+    right = {it.id: Counter(a["answer"] for a in it.meta["answers"]).most_common(1)[0][0] for it in items}
+    wrong = {it.id: "no such answer" for it in items} | {items[0].id: right[items[0].id]}
+    for name, preds in (("right", right), ("wrong", wrong)):
+        shutil.copytree(full, tmp_path / name)
+        res = json.loads((tmp_path / name / "results.json").read_text())
+        task.write_predictions(tmp_path / name / res["official_predictions"], items, preds)
+        res["primary"] = round(task.primary(task.score(items, preds)), 2)
+        (tmp_path / name / "results.json").write_text(json.dumps(res))
+    r = compare(tmp_path / "right", tmp_path / "wrong", resamples=500)
+    assert r["a"]["score"] == 100.0 and r["b"]["score"] == pytest.approx(100 / 12, abs=0.01)
+    assert r["difference"] == pytest.approx(100 - 100 / 12, abs=1e-3)
+    # every image has a wrong answer in B, the first image's other questions too unless it has one question
+    assert r["units_a_ahead"] + r["units_tied"] == images and r["units_b_ahead"] == 0
+    assert 0.0 <= r["interval_95"][0] <= r["difference"] <= r["interval_95"][1] <= 100.0
+
+    # a score that is not the mean of its units' (here: edited) is refused, and so are other questions
+    res = json.loads((tmp_path / "wrong" / "results.json").read_text())
+    (tmp_path / "wrong" / "results.json").write_text(json.dumps({**res, "primary": 50.0}))
+    with pytest.raises(ResultsError, match="not the question-weighted mean"):
+        compare(tmp_path / "right", tmp_path / "wrong")
+    run = json.loads((tmp_path / "right" / "run.json").read_text())
+    run["identity"]["limit"] = 11
+    (tmp_path / "right" / "run.json").write_text(json.dumps(run))
+    with pytest.raises(DataError, match="limit: 11 against 12"):
+        compare(tmp_path / "right", full)
+    with pytest.raises(DataError, match="no run.json"):
+        compare(tmp_path / "sw", full)
