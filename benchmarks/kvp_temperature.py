@@ -24,6 +24,7 @@ answer pay each image token: `mm-oval train-kvp`'s trace utility).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,11 +36,13 @@ from kvp_layer_budget import training_futures
 from mm_oval.allocation import Allocation
 from mm_oval.cache import choose_kept, request_info
 from mm_oval.config import OvalConfig
+from mm_oval.errors import ModelError
 from mm_oval.files import atomic_write_json
 from mm_oval.modelfiles import load_model
 from mm_oval.policies.base import IMAGE
 from mm_oval.policies.kvp import load_agents
 from mm_oval.policies.kvp_io import bundled_agents_path
+from mm_oval.policies.signature import check_signature, model_signature
 from mm_oval.training.traces import LONGTEXT_SEED_BASE, capture_sample, load_samples
 
 
@@ -57,20 +60,17 @@ class Context:
     free: torch.Tensor
 
 
-def text_contexts(args) -> Iterator[Context]:
+def text_contexts(model, tok, args) -> Iterator[Context]:
     """SmolLM2's training contexts of the long-context text tasks, every unprotected token a candidate."""
-    model, tok = load_model("smollm2")
-    model.set_attn_implementation("eager")
     for ctx in training_futures(model, tok, args.kinds.split(","), args.length, args.per_kind, keep_kv=True):
         info = request_info(ctx.head, None, None, 1, args.sinks, args.recent)  # text only: no image tokens
         yield Context(f"{ctx.kind} {ctx.group}", ctx.kv, info.positions, info.modality, info.image_rc,
                       ctx.utility, ~info.protected[0])  # fmt: skip
 
 
-def image_contexts(args) -> Iterator[Context]:
+def image_contexts(model, processor, args) -> Iterator[Context]:
     """bundled-smol's training scenes, question-agnostic (the prompt ends at the image), the image tokens the
     candidates; the target is the trace utility `train-kvp` trains the agents on (zoo data: one follow-up)."""
-    model, processor = load_model("bundled-smol")
     for sample in load_samples(f"zoo576:train:{args.scenes}", followups=1):
         tr = capture_sample(
             model, processor, sample, answer="reference", store_queries=False, compress="image"
@@ -112,14 +112,23 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     path = args.agents if Path(args.agents).is_dir() else bundled_agents_path(name=args.agents)
-    agents = load_agents(path).agents.eval()
+    loaded = load_agents(path)
+    agents = loaded.agents.eval()
+    model, processor = load_model(args.model)
+    if args.model == "smollm2":
+        model.set_attn_implementation("eager")
+    try:  # agents trained for another model would get temperatures fitted to attention they never saw
+        check_signature(loaded.model, model_signature(model), loaded.source)
+    except ModelError as e:
+        sys.exit(f"error: {e}; fit them with --model set to the model they were trained for")
     taus = torch.logspace(
         torch.log10(torch.tensor(0.02)), torch.log10(torch.tensor(50.0)), 241, dtype=torch.float64
     )
     ce = None  # (L, H, grid): the cross-entropy summed over contexts
     raws = []  # each context's raw scores of its candidates (L, H, n), for the shares printed at the end
     t0, n_ctx = time.time(), 0
-    contexts = image_contexts(args) if args.model == "bundled-smol" else text_contexts(args)
+    make = image_contexts if args.model == "bundled-smol" else text_contexts
+    contexts = make(model, processor, args)
     for ctx in contexts:
         free = ctx.free
         rows, layer_raws = [], []
