@@ -17,13 +17,13 @@ that holds 0 says the two cells are not told apart by these questions.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mm_oval.eval.files import read_json
 from mm_oval.eval.tasks import get_task
 
 from mm_oval.errors import DataError, MmOvalError, ResultsError
@@ -41,17 +41,20 @@ def read_cell(folder: Path) -> tuple[dict, dict]:
             raise DataError(
                 f"{folder}: no {f.name}; name a folder that `mm-oval sweep` or `mm-oval eval` wrote"
             )
+    identity, results = read_json(run, "run file"), read_json(res, "results file")
     try:
-        identity = json.loads(run.read_text())["identity"]
-        results = json.loads(res.read_text())
+        identity = identity["identity"]
         results["primary"], results["official_predictions"]  # noqa: B018 (both must be there)
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{folder}: run.json or results.json cannot be read ({e!r}); rerun the cell") from e
+    except (KeyError, TypeError) as e:
+        raise DataError(f"{folder}: run.json or results.json lacks {e}; rerun the cell") from e
     return identity, results
 
 
-def unit_scores(folder: Path, identity: dict, results: dict, units: dict[str, list], task: Any) -> np.ndarray:
-    """Each unit's score (the task's primary metric on its questions alone), in `units` order."""
+def unit_scores(
+    folder: Path, identity: dict, results: dict, units: dict[str, list], sizes: np.ndarray, task: Any
+) -> np.ndarray:
+    """Each unit's score (the task's primary metric on its questions alone), in `units` order; `sizes` their
+    question counts."""
     items = [it for members in units.values() for it in members]
     preds = task.read_predictions(folder / results["official_predictions"], items)
     scores = []
@@ -61,7 +64,6 @@ def unit_scores(folder: Path, identity: dict, results: dict, units: dict[str, li
             raise ResultsError(f"{folder}: unit {key!r} has no score (no ground truth); nothing to compare")
         scores.append(s)
     out = np.array(scores, dtype=np.float64)
-    sizes = np.array([len(m) for m in units.values()], dtype=np.float64)
     mean = float((out * sizes).sum() / sizes.sum())
     if abs(mean - float(results["primary"])) > 0.006:  # results.json rounds to two decimals
         raise ResultsError(
@@ -83,9 +85,9 @@ def compare(a: Path, b: Path, resamples: int = 10_000, seed: int = 0) -> dict[st
     units: dict[str, list] = defaultdict(list)
     for it in items:
         units[it.group or it.id].append(it)
-    sa = unit_scores(a, ia, ra, units, task)
-    sb = unit_scores(b, ib, rb, units, task)
     sizes = np.array([len(m) for m in units.values()], dtype=np.float64)
+    sa = unit_scores(a, ia, ra, units, sizes, task)
+    sb = unit_scores(b, ib, rb, units, sizes, task)
     diff = sa - sb
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(diff), size=(resamples, len(diff)))
