@@ -452,13 +452,16 @@ def _versions() -> dict[str, str]:
 
 
 _NESTED = ("weights", "files", "resolved", "method_options", "retrieval_options")
+# knobs added to OvalConfig after runs were recorded, with the default that does what every run did before
+# them: a run.json whose resolved method lacks one ran at that default, so it still resumes
+_ADDED_KNOBS = {"read_head_budget": "uniform"}
 
 
 def _differences(old: dict, new: dict, keys: Iterable[str], prefix: str = "") -> list[str]:
     out = []
     for k in keys:
         a, b = old.get(k), new.get(k)
-        if a == b:
+        if a == b or (prefix == "resolved." and k not in old and _ADDED_KNOBS.get(k, a) == b):
             continue
         if isinstance(a, dict) and isinstance(b, dict) and k in _NESTED:
             out += _differences(a, b, list(dict.fromkeys([*a, *b])), f"{prefix}{k}.")

@@ -4,7 +4,8 @@ Two kinds of knobs, kept apart:
 - what is kept after prefill (eviction): `method`, `budget` (image tokens), `text_budget`,
   `eviction_scope` (image and text ranked separately, or together), `head_budget`;
 - what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages)
-  or `read_bytes_budget` (the fraction of dense attention's bytes), `read_scope` (which pages are candidates).
+  or `read_bytes_budget` (the fraction of dense attention's bytes), `read_scope` (which pages are candidates),
+  `read_head_budget`.
 A knob of one kind that the configuration cannot use is refused (a budget with method "full" keeps
 everything; a read budget without a retrieval method reads everything), never silently ignored.
 `scope` and `retrieval_scope`, the former names of the two scopes, are refused with the new names.
@@ -75,6 +76,10 @@ class OvalConfig:
     # always-read pages' keys and values) as a fraction of dense attention's over the resident cache
     read_bytes_budget: float | None = None
     read_scope: str = "image"  # candidate pages: "image" pages only (text pages always read), or "all"
+    # "uniform": each KV head reads within its own read budget; "shared": a layer's KV heads read within the
+    # sum of theirs, the best-scoring pages of any head first (the retrieval method must declare its page
+    # scores comparable across heads: core.SharedHeads)
+    read_head_budget: str = "uniform"
     # each decode step also computes exact attention to measure the retrieval (stats' retrieval_monitor)
     monitor_retrieval: bool = False
     image_tile: int = DEFAULT_IMAGE_TILE
@@ -111,6 +116,8 @@ class OvalConfig:
             raise ConfigError(f"head_budget={self.head_budget!r} is not one of {HEAD_BUDGETS}")
         if self.read_scope not in READ_SCOPES:
             raise ConfigError(f"read_scope={self.read_scope!r} is not one of {READ_SCOPES}")
+        if self.read_head_budget not in HEAD_BUDGETS:
+            raise ConfigError(f"read_head_budget={self.read_head_budget!r} is not one of {HEAD_BUDGETS}")
         if not isinstance(self.monitor_retrieval, bool):
             raise ConfigError(f"monitor_retrieval must be True or False, got {self.monitor_retrieval!r}")
         for name in ("sink_tokens", "recent_tokens"):
@@ -255,6 +262,7 @@ class OvalConfig:
                     ("read_budget", 1.0),
                     ("read_bytes_budget", None),
                     ("read_scope", "image"),
+                    ("read_head_budget", "uniform"),
                     ("page_sizing", "fixed"),
                     ("monitor_retrieval", False),
                 )
@@ -267,6 +275,17 @@ class OvalConfig:
                 raise ConfigError(
                     f"{items} set without a retrieval method, which reads every page: set retrieval=... "
                     "(e.g. retrieval='oval')"
+                )
+        elif self.read_head_budget == "shared":
+            cls = RETRIEVAL_REGISTRY[self.retrieval]
+            if not getattr(cls, "comparable_across_heads", False):
+                shared = sorted(
+                    k for k, c in RETRIEVAL_REGISTRY.items() if getattr(c, "comparable_across_heads", False)
+                )
+                raise ConfigError(
+                    f"read_head_budget='shared' ranks every KV head's pages together, but {self.retrieval!r} does "
+                    "not score pages on one scale across heads: use read_head_budget='uniform' with it, or one of "
+                    f"{shared}"
                 )
 
     @property

@@ -244,6 +244,18 @@ class BytesBudget:
     left: torch.Tensor  # (B, Hkv)
 
 
+@dataclass
+class SharedHeads:
+    """A read budget the KV heads of a layer share (`OvalConfig.read_head_budget="shared"`): the pages
+    `budget` would give each head, pooled (the heads' page counts, or their bytes left, summed) and filled
+    with the best-scoring pages of any head. Scores must be on one scale across heads (the policy's
+    `comparable_across_heads`: OVAL, LOCKS and Quest score a page by its estimated share of the head's
+    attention over the closed pages), so the layer reads, at the same bytes, more pages in a head whose
+    attention is spread and fewer in one whose attention sits on a few pages."""
+
+    budget: float | torch.Tensor | BytesBudget
+
+
 def fill_by_score(
     scores: torch.Tensor, eligible: torch.Tensor, page_bytes: torch.Tensor, left: torch.Tensor
 ) -> torch.Tensor:
@@ -263,7 +275,10 @@ def select_by_score(
 ) -> torch.Tensor:
     """The candidate pages a read budget reads, best scores first: scores/candidates (B, Hkv, P), the budget a
     fraction of the candidates (rounded up), a (B, Hkv) long tensor of page counts, or a `BytesBudget`
-    (`fill_by_score`) -> (B, Hkv, P) bool. `RetrievalPolicy.select`'s rule."""
+    (`fill_by_score`), or any of these shared by the heads (`SharedHeads`) -> (B, Hkv, P) bool.
+    `RetrievalPolicy.select`'s rule."""
+    if isinstance(read_budget, SharedHeads):
+        return _select_shared(scores, candidates, read_budget.budget)
     if isinstance(read_budget, BytesBudget):
         return fill_by_score(scores, candidates, read_budget.page_bytes, read_budget.left)
     n = candidates.sum(-1)
@@ -272,6 +287,29 @@ def select_by_score(
     else:
         k = budget_count(float(read_budget), n)  # (B, Hkv)
     return topk_mask(scores, candidates, k)
+
+
+def _select_shared(
+    scores: torch.Tensor, candidates: torch.Tensor, budget: float | torch.Tensor | BytesBudget
+) -> torch.Tensor:
+    """`select_by_score` over one ranking of a row's (KV head, page) pairs, at the heads' budgets summed."""
+    B, H, P = scores.shape
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(B, 1, H * P)
+
+    pooled: torch.Tensor | BytesBudget
+    if isinstance(budget, BytesBudget):
+        pooled = BytesBudget(flat(budget.page_bytes), budget.left.sum(-1, keepdim=True))
+    else:
+        n = candidates.sum(-1)
+        k = (
+            budget.clamp(min=0).minimum(n)
+            if isinstance(budget, torch.Tensor)
+            else budget_count(float(budget), n)
+        )
+        pooled = k.sum(-1, keepdim=True)
+    return select_by_score(flat(scores), flat(candidates), pooled).reshape(B, H, P)
 
 
 def topk_mask(scores: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,10 @@ dtypes, real tokens only (never padding):
 - `read_vs_dense` = read / dense (1.0 without retrieval; above 1 when the summaries cost more than the
   keys they spare), `image_read_vs_dense`, `text_read_vs_dense` per modality;
 - `over_budget`: with `read_bytes_budget`, the (layer, KV head, step) reads whose summaries and
-  always-read pages alone exceeded the budget (they read no optional page), else 0.
+  always-read pages alone exceeded the head's budget (they read no optional page; with `read_head_budget`
+  "shared" the layer's other heads pay for the excess out of the bytes they share), else 0;
+- `read_head_budget`: "uniform" (each KV head within its own read budget) or "shared" (a layer's KV heads
+  within the sum of theirs).
 
 With `monitor_retrieval` (`RetrievalMonitor`), `retrieval_monitor` measures each layer's page selection at
 each decode step against exact attention of the step's newest token over the resident slots, pooled over
@@ -78,7 +81,7 @@ def get_stats(model: Any) -> dict[str, Any]:
 
 # ---- Prometheus text format -------------------------------------------------------------------------------
 _CONFIG_KEYS = ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget", "read_scope",
-                "read_bytes_budget")  # fmt: skip
+                "read_bytes_budget", "read_head_budget")  # fmt: skip
 _BYTES_PARTS = ("summaries", "selected", "always_read", "read", "dense")
 
 

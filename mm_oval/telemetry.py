@@ -139,6 +139,7 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     cand = int(cache.counters["candidate_pages"])
     out["page_read_fraction"] = (int(cache.counters["pages_read"]) / cand) if cand else None
     out["read_bytes_budget"] = cache.config.read_bytes_budget
+    out["read_head_budget"] = cache.config.read_head_budget
     out["bytes_read"] = bytes_read(cache)
     monitor = getattr(cache, "monitor", None)
     summary = monitor.summary() if monitor is not None else None

@@ -14,7 +14,7 @@ from mm_oval.eval.sweep import markdown_table
 import mm_oval
 from mm_oval.config import OvalConfig, budget_field
 from mm_oval.errors import ConfigError
-from mm_oval.policies.base import IMAGE
+from mm_oval.policies.base import IMAGE, SharedHeads, select_by_score
 from mm_oval.stats import get_stats
 from mm_oval.wrapper import new_cache, wrap_info
 
@@ -194,6 +194,89 @@ def test_a_bytes_budget_reads_the_best_pages_while_they_fit(model, llava_batch, 
                 some_read |= bool(expect)
     assert some_read and br["over_budget"] == 0
     assert br["read_vs_dense"] <= fraction
+
+
+@pytest.mark.parametrize("name", ["quest", "oval"])
+def test_a_shared_bytes_budget_reads_the_best_pages_of_any_head_within_the_heads_bytes(
+    model, llava_batch, name
+):
+    """read_head_budget="shared": per sample and layer, one ranking of every KV head's pages, read best first
+    while their bytes fit the heads' budgets summed; the layer reads no more than the heads would alone,
+    and the heads no longer read as many pages each."""
+    inputs = llava_batch(TEXTS)
+    fraction = 0.7
+    cache, log, br = _run(model, inputs, retrieval=name, read_bytes_budget=fraction, image_tile=2,
+                          read_head_budget="shared")  # fmt: skip
+    per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
+    n_valid = inputs["attention_mask"].sum(-1)
+    H = model.config.text_config.num_key_value_heads
+    n_layers = model.config.text_config.num_hidden_layers
+    uneven = False
+    for i, e in enumerate(log):
+        step = i // n_layers + 1
+        cand, plen, chosen, scores = e["cand"], e["plen"], e["chosen"], e["scores"]
+        sb = _summary_bytes(name, plen, e["summaries"])
+        for b in range(cand.shape[0]):
+            dense = int(n_valid[b] + step) * per_token
+            left, ranked, fixed = 0.0, [], 0
+            for h in range(H):
+                c = cand[b, h]
+                always = dense - int((plen[b, h] * per_token)[c].sum())
+                fixed += always + int(sb[b, h][c].sum())
+                left += fraction * dense - always - int(sb[b, h][c].sum())
+                ranked += [
+                    (-float(scores[b, h, j]), h * cand.shape[-1] + j) for j in c.nonzero().flatten().tolist()
+                ]
+            expect, used = set(), 0
+            for _, hj in sorted(ranked):  # ties: the lower head, then the lower page, first
+                kv = int(plen[b, hj // cand.shape[-1], hj % cand.shape[-1]]) * per_token
+                if used + kv > left:
+                    break
+                expect.add(hj)
+                used += kv
+            got = chosen[b].flatten().nonzero().flatten().tolist()
+            assert set(got) == expect
+            assert fixed + used <= fraction * dense * H
+            counts = chosen[b].sum(-1)
+            uneven |= bool(counts.max() > counts.min())
+    assert uneven  # a head with its attention on few pages leaves bytes to another
+    assert br["read_vs_dense"] <= fraction and get_stats(model)["read_head_budget"] == "shared"
+
+
+def test_a_shared_page_budget_reads_the_heads_page_counts_summed():
+    scores = torch.tensor([[[5.0, 4.0, 3.0, 2.0], [9.0, 8.0, 7.0, 0.0]]])  # (B=1, Hkv=2, P=4)
+    cand = torch.ones_like(scores, dtype=torch.bool)
+    assert select_by_score(scores, cand, 0.5).sum(-1).tolist() == [[2, 2]]  # each head its own 2 pages
+    shared = select_by_score(scores, cand, SharedHeads(0.5))  # 4 pages between them: 9, 8, 7 and 5
+    assert shared.tolist() == [[[True, False, False, False], [True, True, True, False]]]
+    counts = torch.tensor([[1, 2]])
+    assert select_by_score(scores, cand, SharedHeads(counts)).tolist() == [
+        [[False, False, False, False], [True, True, True, False]]
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            {"retrieval": "oval", "read_bytes_budget": 0.25, "read_head_budget": "pooled"},
+            "read_head_budget='pooled'",
+        ),
+        ({"read_head_budget": "shared"}, "without a retrieval method"),
+        (
+            {"retrieval": "router2", "read_bytes_budget": 0.25, "read_head_budget": "shared"},
+            "one scale across heads",
+        ),
+    ],
+)
+def test_a_shared_read_budget_is_checked_with_a_message(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        OvalConfig(**kw)
+
+
+def test_a_spec_shares_the_read_budget():
+    cfg = OvalConfig.from_spec("oval:read_bytes_budget,read_head_budget=shared", 0.25)
+    assert cfg.read_head_budget == "shared" and cfg.read_bytes_budget == 0.25 and cfg.retrieval == "oval"
 
 
 def test_a_bytes_budget_below_the_always_read_pages_reads_no_optional_page_and_says_so(model, llava_batch):

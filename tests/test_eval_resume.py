@@ -181,6 +181,16 @@ def test_a_changed_default_under_the_same_method_spec_is_refused(loaded, data, t
         evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
     monkeypatch.undo()
 
+    # a run recorded before a knob existed ran at the default that does what every run did then: it resumes
+    before = ident | {"resolved": {k: v for k, v in ident["resolved"].items() if k != "read_head_budget"}}
+    (out / "run.json").write_text(json.dumps({"identity": before}))
+    again = evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
+    assert again["run"]["new_items"] == 0 and again["primary"] == first["primary"]
+    shared = "oval:sink_tokens=0,recent_tokens=0,read_head_budget=shared"
+    (out / "run.json").write_text(json.dumps({"identity": before | {"method": shared}}))
+    with pytest.raises(ResultsError, match=r"resolved\.read_head_budget: None there, 'shared' now"):
+        evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=shared, budget=0.5, **KW)
+
     old = {k: v for k, v in ident.items() if k != "resolved"} | {"format": 2}
     (out / "run.json").write_text(json.dumps({"identity": old}))
     with pytest.raises(ResultsError, match=r"format: 2 there, 3 now; resolved: not recorded there"):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..core import IMAGE, BytesBudget, DecodeContext
+from ..core import IMAGE, BytesBudget, DecodeContext, SharedHeads
 from .telemetry import kv_bytes_per_token, page_kv_bytes
 
 # off the kernel path, a decode step attends over the pages it reads gathered (GatheredDecode) rather than
@@ -38,9 +38,11 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
     B, H, P = store.page_len.shape
     rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
     always = torch.cat([~cand, rest], -1) & (store.page_len > 0)
-    budget: float | BytesBudget = owner.config.read_budget
+    budget: float | BytesBudget | SharedHeads = owner.config.read_budget
     if owner.config.read_bytes_budget is not None:
         budget = bytes_budget(layer, cand, always, summary.sum(-1), owner.config.read_bytes_budget)
+    if owner.config.read_head_budget == "shared":
+        budget = SharedHeads(budget)
     monitor = owner.monitor
     t0 = monitor.clock(query.device) if monitor is not None else 0.0
     chosen = owner.retrieval.select(ctx, budget) & cand

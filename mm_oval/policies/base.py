@@ -36,6 +36,7 @@ from ..core import (  # noqa: F401
     PrefillContext,
     RequestState,
     Rope,
+    SharedHeads,
     StepState,
     budget_count,
     fill_by_score,
@@ -121,6 +122,10 @@ class RetrievalPolicy:
     needs_inputs_embeds: ClassVar[bool] = False
     # True makes a wrapped model keep the previous token's final hidden state (`DecodeContext.step.last_hidden`)
     needs_last_hidden: ClassVar[bool] = False
+    # True: `score_pages` puts every KV head's pages on one scale (e.g. the log of each page's estimated share
+    # of the head's attention), so a layer's heads may share their read budget (`read_head_budget="shared"`,
+    # `SharedHeads`); False makes the configuration refuse that
+    comparable_across_heads: ClassVar[bool] = False
     # the policy's per-request memory of earlier steps (`ctx.request.state_of(self)`, fresh per request) and
     # what the layers of one decode step share (`ctx.step.state_of(self)`, fresh per forward); None: none
     State: ClassVar[type | None] = None
@@ -132,11 +137,13 @@ class RetrievalPolicy:
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:  # (B, Hkv, P) float
         raise NotImplementedError
 
-    def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor | BytesBudget) -> torch.Tensor:
+    def select(
+        self, ctx: DecodeContext, read_budget: float | torch.Tensor | BytesBudget | SharedHeads
+    ) -> torch.Tensor:
         """-> (B, Hkv, P) bool, the candidate pages read at this step. `read_budget` is a fraction of the
         candidates, a (B, Hkv) long tensor of page counts, or a `BytesBudget` (what the cache makes of a
         bytes budget: the best-scoring pages while their bytes fit, so small pages are not charged as
-        large ones)."""
+        large ones), each per KV head or shared by the layer's heads (`SharedHeads`)."""
         return select_by_score(self.score_pages(ctx), ctx.candidates, read_budget)
 
     def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,10 @@ def mean_over_queries(per_query: list[torch.Tensor]) -> torch.Tensor:
 class _BasisRetrieval(RetrievalPolicy):
     """Shared body of LOCKS and OVAL: a rank-r page basis per page and KV head, scored without keys."""
 
+    # a page's score is the log of its estimated share of the KV head's attention over the closed pages
+    # (the GQA combination's softmax over pages): one scale for every head, so heads may share a read budget
+    comparable_across_heads: ClassVar[bool] = True
+
     rank: int = 8
     eta: float = 0.0
     coef_rows: int = 32  # coefficient rows stored per page: pages up to this many tokens, padded to it

@@ -25,6 +25,8 @@ class Quest(RetrievalPolicy):
     the score stays an upper bound: page_summaries.compact_key_bounds)."""
 
     name = "quest"
+    # log of the page's share of the head's bound-softmax over the closed pages: one scale for every head
+    comparable_across_heads = True
     summary_format: str = "float"
 
     def __post_init__(self) -> None:
