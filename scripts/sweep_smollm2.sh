@@ -24,10 +24,11 @@ mkdir -p "$OUT" docs/results
 EVICTION=(expected_attention kvzip kvzip:layerwise=false snapkv tova h2o streamingllm random knorm keydiff pyramidkv adakv
           adakv:scorer=expected_attention fastv kvp:agents=smollm2-context
           kvp:agents=smollm2-context,layerwise=false,calibrated=true ${EXTRA_EVICTION:-})
-# OVAL (compact, rank 8 and rank 2), Quest (float and compact), and router v2 over compact OVAL rank 2
-RETRIEVAL=(oval:read_bytes_budget oval:read_bytes_budget,rank=2 quest:read_bytes_budget
-           quest:read_bytes_budget,summary_format=compact router2:read_bytes_budget,weights=smollm2-oval2
-           ${EXTRA_RETRIEVAL:-})
+# OVAL (compact, rank 8 and rank 2; rank 8 also with a layer's KV heads sharing their bytes), Quest (float
+# and compact), and router v2 over compact OVAL rank 2
+RETRIEVAL=(oval:read_bytes_budget oval:read_bytes_budget,rank=2 oval:read_bytes_budget,read_head_budget=shared
+           quest:read_bytes_budget quest:read_bytes_budget,summary_format=compact
+           router2:read_bytes_budget,weights=smollm2-oval2 ${EXTRA_RETRIEVAL:-})
 OMP_NUM_THREADS=${THREADS:-1} "$BIN/mm-oval" sweep --model smollm2 --task "$TASK" \
     --compress "${COMPRESS:-context}" --limit "${LIMIT:-10}" --budgets "$BUDGETS" --no-progress --out "$OUT/sweep-$TASK" \
     --batch-size "${BATCH:-10}" --data "${DATA:-bundled}" ${SWEEP_ARGS:-} \
