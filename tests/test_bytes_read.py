@@ -264,7 +264,7 @@ def test_a_shared_page_budget_reads_the_heads_page_counts_summed():
         ),
         ({"read_head_budget": "shared"}, "without a retrieval method"),
         (
-            {"retrieval": "router2", "read_bytes_budget": 0.25, "read_head_budget": "shared"},
+            {"retrieval": "router", "read_bytes_budget": 0.25, "read_head_budget": "shared"},
             "one scale across heads",
         ),
     ],

@@ -15,6 +15,7 @@ from mm_oval.policies.base import (
     DecodeContext,
     PageBatch,
     RequestState,
+    SharedHeads,
     StepState,
     make_retrieval,
     select_by_score,
@@ -26,6 +27,7 @@ from mm_oval.policies.router2 import (
     Router2Net,
     Router2Retrieval,
     load_router2,
+    on_base_scale,
     pool_token_embeddings,
     predict_ahead_hit_rate,
     save_router2,
@@ -443,3 +445,34 @@ def test_min_read_pages_is_where_the_correction_stops_being_behind_on_held_out_p
         monkeypatch.setattr(tr, "evaluate_router2", fake(table))
         floor, rows = tr.fit_min_read_pages(None, [Sample()], max_share=0.5)
         assert floor == want and [r["pages"] for r in rows] == [1, 2, 3, 4, 5]
+
+
+def test_router2_scores_keep_its_ranking_per_head_on_its_base_scale_and_its_heads_may_share_a_budget():
+    """The correction redistributes, over the candidate pages, the share of a head's attention the base
+    estimates on them: each head ranks as the logits do (what it reads alone is unchanged), and the scores'
+    mass over the candidates is the base's, so a layer's heads can share their read budget."""
+    torch.manual_seed(0)
+    small = Router2Net(Router2Config(hidden_size=24, num_layers=1, num_kv_heads=2, route_dim=8))
+    _randomise_correction(small, seed=5)
+    kmin = torch.randn(1, 2, 6, 16)
+    ctx = _ctx(
+        torch.randn(1, 4, 1, 16), {"kmin": kmin, "kmax": kmin + 1.0, "r2_emb": torch.randn(1, 2, 6, 8)}
+    )
+    base, logits = torch.randn(2, 3, 6), torch.randn(2, 3, 6) * 4
+    cand = torch.rand(2, 3, 6) > 0.3
+    cand[1, 2] = False  # a head without a candidate keeps its logits
+    out = on_base_scale(base, logits, cand)
+    shift = out - logits
+    assert torch.allclose(shift, shift[..., :1].expand_as(shift))  # one shift per head: the same ranking
+    lse = lambda t: torch.logsumexp(t.masked_fill(~cand, float("-inf")), -1)  # noqa: E731
+    has = cand.any(-1)
+    assert torch.allclose(lse(out)[has], lse(base)[has], atol=1e-5) and torch.equal(out[1, 2], logits[1, 2])
+    policy = Router2Retrieval(net=small)
+    alone = policy.select(ctx, 0.5)
+    assert torch.equal(alone, select_by_score(policy.score_pages(ctx), ctx.candidates, 0.5))
+    shared = policy.select(ctx, SharedHeads(0.5))
+    assert shared.sum() == 6 and shared.sum(-1).tolist() != [[3, 3]]  # 3 pages a head, moved between them
+    small.config.min_read_pages = 2
+    with pytest.raises(ConfigError, match="min_read_pages=2"):
+        Router2Retrieval(net=small).select(ctx, SharedHeads(0.5))
+    assert mm_oval.OvalConfig(retrieval="router2", read_bytes_budget=0.25, read_head_budget="shared")

@@ -49,6 +49,7 @@ from .base import (
     DecodeContext,
     PageBatch,
     RetrievalPolicy,
+    SharedHeads,
     make_retrieval,
     register_retrieval,
     select_by_score,
@@ -342,6 +343,9 @@ class Router2Retrieval(RetrievalPolicy):
     "compact": int8 with one fp16 scale per page, route_dim + 2 bytes)."""
 
     name: ClassVar[str] = "router2"
+    # its scores are the base's estimate of the head's attention on the candidate pages, redistributed over
+    # them by the router (`on_base_scale`): one scale for every head when the base's is (OVAL, LOCKS, Quest)
+    comparable_across_heads: ClassVar[bool] = True
     needs_inputs_embeds: ClassVar[bool] = True
     needs_last_hidden: ClassVar[bool] = True
     State: ClassVar[type] = Router2State
@@ -522,7 +526,7 @@ class Router2Retrieval(RetrievalPolicy):
                 ctx.layer_idx,
                 history,
             )
-        return base, base + corr
+        return base, on_base_scale(base, base + corr, ctx.candidates)
 
     def _gcn_history(self, ctx: DecodeContext) -> torch.Tensor:
         h = ctx.request.state_of(self).history.get(ctx.layer_idx)
@@ -531,10 +535,18 @@ class Router2Retrieval(RetrievalPolicy):
             return ctx.candidates.new_zeros(*ctx.candidates.shape[:2], 0, p)
         return torch.nn.functional.pad(h, (0, p - h.shape[-1])) if h.shape[-1] < p else h[..., :p]
 
-    def select(self, ctx: DecodeContext, read_budget: float | torch.Tensor | BytesBudget) -> torch.Tensor:
+    def select(
+        self, ctx: DecodeContext, read_budget: float | torch.Tensor | BytesBudget | SharedHeads
+    ) -> torch.Tensor:
         base_scores, scores = self._scores(ctx)
         chosen = select_by_score(scores, ctx.candidates, read_budget)
         floor = self.net.config.min_read_pages if self.net is not None else 1
+        if floor > 1 and isinstance(read_budget, SharedHeads):
+            raise ConfigError(
+                f"router2: these weights read their base's pages where a KV head reads fewer than "
+                f"min_read_pages={floor}, a rule per head that heads sharing their read budget cannot keep: use "
+                "read_head_budget='uniform' with them, or weights trained with min_read_pages=1"
+            )
         if floor > 1:  # where a head reads fewer pages than that, its base chooses them
             base = select_by_score(base_scores, ctx.candidates, read_budget)
             chosen = torch.where((base.sum(-1) < floor).unsqueeze(-1), base, chosen)
@@ -554,6 +566,20 @@ def pool_token_embeddings(tok: torch.Tensor, token_index: torch.Tensor) -> torch
     page token (-1: none) -> (B, Hkv, P, R), the mean over each page's prompt tokens (0 for none). Gathers
     route_dim entries per token, never the hidden size: the first router's `pool_page_content` over them."""
     return pool_page_content(tok, token_index)[0]
+
+
+def on_base_scale(base: torch.Tensor, logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """The router's page logits (B, Hkv, P) shifted, per KV head, onto the base scorer's scale: softmax over
+    the candidate pages of the logits (the router's distribution, trained over the candidates), times the
+    base's estimated share of the head's attention on all of them (exp of the base scores' logsumexp over the
+    candidates), as a log. A per-head shift, so a head's ranking, and what it reads in its own budget, are
+    the logits'; heads without a candidate keep the logits."""
+    neg = torch.finfo(logits.dtype).min
+    has = candidates.any(-1, keepdim=True)
+    shift = torch.logsumexp(base.masked_fill(~candidates, neg), -1, keepdim=True) - torch.logsumexp(
+        logits.masked_fill(~candidates, neg), -1, keepdim=True
+    )
+    return logits + torch.where(has, shift, torch.zeros_like(shift))
 
 
 def predict_ahead_hit_rate(
