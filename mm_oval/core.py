@@ -250,8 +250,9 @@ class SharedHeads:
     `budget` would give each head, pooled (the heads' page counts, or their bytes left, summed) and filled
     with the best-scoring pages of any head. Scores must be on one scale across heads (the policy's
     `comparable_across_heads`: OVAL, LOCKS and Quest score a page by its estimated share of the head's
-    attention over the closed pages), so the layer reads, at the same bytes, more pages in a head whose
-    attention is spread and fewer in one whose attention sits on a few pages."""
+    attention over the closed pages, router v2 puts its logits on its base's scale), so the layer reads, at
+    the same bytes, more pages in a head whose attention is spread and fewer in one whose attention sits on
+    a few pages."""
 
     budget: float | torch.Tensor | BytesBudget
 
