@@ -282,12 +282,15 @@ def select_by_score(
         return _select_shared(scores, candidates, read_budget.budget)
     if isinstance(read_budget, BytesBudget):
         return fill_by_score(scores, candidates, read_budget.page_bytes, read_budget.left)
+    return topk_mask(scores, candidates, _page_counts(read_budget, candidates))
+
+
+def _page_counts(read_budget: float | torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv) long: the pages a fraction of the candidates (rounded up) or a tensor of counts reads per head."""
     n = candidates.sum(-1)
     if isinstance(read_budget, torch.Tensor):
-        k = read_budget.clamp(min=0).minimum(n)
-    else:
-        k = budget_count(float(read_budget), n)  # (B, Hkv)
-    return topk_mask(scores, candidates, k)
+        return read_budget.clamp(min=0).minimum(n)
+    return budget_count(float(read_budget), n)
 
 
 def _select_shared(
@@ -303,13 +306,7 @@ def _select_shared(
     if isinstance(budget, BytesBudget):
         pooled = BytesBudget(flat(budget.page_bytes), budget.left.sum(-1, keepdim=True))
     else:
-        n = candidates.sum(-1)
-        k = (
-            budget.clamp(min=0).minimum(n)
-            if isinstance(budget, torch.Tensor)
-            else budget_count(float(budget), n)
-        )
-        pooled = k.sum(-1, keepdim=True)
+        pooled = _page_counts(budget, candidates).sum(-1, keepdim=True)
     return select_by_score(flat(scores), flat(candidates), pooled).reshape(B, H, P)
 
 

@@ -158,40 +158,51 @@ def test_a_read_budget_of_one_reads_dense_plus_the_summaries(model, llava_batch)
     assert br["read_vs_dense"] > 1.0
 
 
+def _rows(model, inputs, cache, log, name):
+    """Each logged selection, per batch row: (the log entry, the row, its dense bytes at that decode step,
+    each page's summary bytes, the KV bytes per token)."""
+    per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
+    n_valid = inputs["attention_mask"].sum(-1)
+    n_layers = model.config.text_config.num_hidden_layers
+    for i, e in enumerate(log):
+        step = i // n_layers + 1
+        sb = _summary_bytes(name, e["plen"], e["summaries"])
+        for b in range(e["cand"].shape[0]):
+            yield e, b, int(n_valid[b] + step) * per_token, sb, per_token
+
+
+def _fill(ranked, left):
+    """The pages a bytes budget reads: `ranked` (-score, page, bytes), best first (ties: the lower page), read
+    while their bytes fit `left`; the first that does not fit ends it. -> (pages, bytes used)."""
+    expect, used = set(), 0
+    for _, j, size in sorted(ranked):
+        if used + size > left:
+            break
+        expect.add(j)
+        used += size
+    return expect, used
+
+
 @pytest.mark.parametrize("fraction", [0.7, 0.9])
 def test_a_bytes_budget_reads_the_best_pages_while_they_fit(model, llava_batch, fraction):
     inputs = llava_batch(TEXTS)
     # 2x2 tiles: on the tiny model's 8x8 grid a 4x4 page's KV outweighs what a budget leaves after the
     # always-read text and the summaries, so no page would be a choice
     cache, log, br = _run(model, inputs, retrieval="quest", read_bytes_budget=fraction, image_tile=2)
-    per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
-    n_valid = inputs["attention_mask"].sum(-1)
-    H = model.config.text_config.num_key_value_heads
-    n_layers = model.config.text_config.num_hidden_layers
     some_read = False
-    for i, e in enumerate(log):
-        step = i // n_layers + 1
+    for e, b, dense, sb, per_token in _rows(model, inputs, cache, log, "quest"):
         cand, plen, chosen, scores = e["cand"], e["plen"], e["chosen"], e["scores"]
-        sb = _summary_bytes("quest", plen, e["summaries"])
-        for b in range(cand.shape[0]):
-            dense = int(n_valid[b] + step) * per_token
-            for h in range(H):
-                c = cand[b, h]
-                kv = plen[b, h] * per_token
-                always = dense - int(kv[c].sum())
-                left = fraction * dense - always - int(sb[b, h][c].sum())
-                # pages best score first (ties: lower index first), read while their bytes fit
-                ranked = sorted((-float(scores[b, h, j]), j) for j in c.nonzero().flatten().tolist())
-                expect, used = set(), 0
-                for _, j in ranked:
-                    if used + int(kv[j]) > left:
-                        break
-                    expect.add(j)
-                    used += int(kv[j])
-                assert set(chosen[b, h].nonzero().flatten().tolist()) == expect
-                read = always + int(sb[b, h][c].sum()) + int(kv[chosen[b, h]].sum())
-                assert read <= fraction * dense
-                some_read |= bool(expect)
+        for h in range(cand.shape[1]):
+            c = cand[b, h]
+            kv = plen[b, h] * per_token
+            always = dense - int(kv[c].sum())
+            left = fraction * dense - always - int(sb[b, h][c].sum())
+            ranked = [(-float(scores[b, h, j]), j, int(kv[j])) for j in c.nonzero().flatten().tolist()]
+            expect, _ = _fill(ranked, left)
+            assert set(chosen[b, h].nonzero().flatten().tolist()) == expect
+            read = always + int(sb[b, h][c].sum()) + int(kv[chosen[b, h]].sum())
+            assert read <= fraction * dense
+            some_read |= bool(expect)
     assert some_read and br["over_budget"] == 0
     assert br["read_vs_dense"] <= fraction
 
@@ -207,38 +218,26 @@ def test_a_shared_bytes_budget_reads_the_best_pages_of_any_head_within_the_heads
     fraction = 0.7
     cache, log, br = _run(model, inputs, retrieval=name, read_bytes_budget=fraction, image_tile=2,
                           read_head_budget="shared")  # fmt: skip
-    per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
-    n_valid = inputs["attention_mask"].sum(-1)
-    H = model.config.text_config.num_key_value_heads
-    n_layers = model.config.text_config.num_hidden_layers
     uneven = False
-    for i, e in enumerate(log):
-        step = i // n_layers + 1
+    for e, b, dense, sb, per_token in _rows(model, inputs, cache, log, name):
         cand, plen, chosen, scores = e["cand"], e["plen"], e["chosen"], e["scores"]
-        sb = _summary_bytes(name, plen, e["summaries"])
-        for b in range(cand.shape[0]):
-            dense = int(n_valid[b] + step) * per_token
-            left, ranked, fixed = 0.0, [], 0
-            for h in range(H):
-                c = cand[b, h]
-                always = dense - int((plen[b, h] * per_token)[c].sum())
-                fixed += always + int(sb[b, h][c].sum())
-                left += fraction * dense - always - int(sb[b, h][c].sum())
-                ranked += [
-                    (-float(scores[b, h, j]), h * cand.shape[-1] + j) for j in c.nonzero().flatten().tolist()
-                ]
-            expect, used = set(), 0
-            for _, hj in sorted(ranked):  # ties: the lower head, then the lower page, first
-                kv = int(plen[b, hj // cand.shape[-1], hj % cand.shape[-1]]) * per_token
-                if used + kv > left:
-                    break
-                expect.add(hj)
-                used += kv
-            got = chosen[b].flatten().nonzero().flatten().tolist()
-            assert set(got) == expect
-            assert fixed + used <= fraction * dense * H
-            counts = chosen[b].sum(-1)
-            uneven |= bool(counts.max() > counts.min())
+        H, P = cand.shape[1:]
+        left, ranked, fixed = 0.0, [], 0
+        for h in range(H):
+            c = cand[b, h]
+            always = dense - int((plen[b, h] * per_token)[c].sum())
+            fixed += always + int(sb[b, h][c].sum())
+            left += fraction * dense - always - int(sb[b, h][c].sum())
+            ranked += [
+                (-float(scores[b, h, j]), h * P + j, int(plen[b, h, j]) * per_token)
+                for j in c.nonzero().flatten().tolist()
+            ]
+        # one ranking of (head, page): ties the lower head, then the lower page, first
+        expect, used = _fill(ranked, left)
+        assert set(chosen[b].flatten().nonzero().flatten().tolist()) == expect
+        assert fixed + used <= fraction * dense * H
+        counts = chosen[b].sum(-1)
+        uneven |= bool(counts.max() > counts.min())
     assert uneven  # a head with its attention on few pages leaves bytes to another
     assert br["read_vs_dense"] <= fraction and get_stats(model)["read_head_budget"] == "shared"
 

@@ -409,7 +409,8 @@ def test_over_a_compact_base_the_router_record_is_int8_and_scores_what_the_float
         Router2Retrieval(weights="none", record_format="int4")
 
 
-def test_below_min_read_pages_a_head_reads_what_its_base_chooses():
+def _small_router_and_step():
+    """A router v2 over Quest with a random correction (2 KV heads) and one decode step of 6 candidate pages."""
     torch.manual_seed(0)
     small = Router2Net(Router2Config(hidden_size=24, num_layers=1, num_kv_heads=2, route_dim=8))
     _randomise_correction(small, seed=5)
@@ -417,6 +418,11 @@ def test_below_min_read_pages_a_head_reads_what_its_base_chooses():
     ctx = _ctx(
         torch.randn(1, 4, 1, 16), {"kmin": kmin, "kmax": kmin + 1.0, "r2_emb": torch.randn(1, 2, 6, 8)}
     )
+    return small, ctx
+
+
+def test_below_min_read_pages_a_head_reads_what_its_base_chooses():
+    small, ctx = _small_router_and_step()
     base = select_by_score(Router2Retrieval(weights="none").score_pages(ctx), ctx.candidates, 0.5)
     gated = {}
     for floor in (1, 3, 4):
@@ -451,13 +457,7 @@ def test_router2_scores_keep_its_ranking_per_head_on_its_base_scale_and_its_head
     """The correction redistributes, over the candidate pages, the share of a head's attention the base
     estimates on them: each head ranks as the logits do (what it reads alone is unchanged), and the scores'
     mass over the candidates is the base's, so a layer's heads can share their read budget."""
-    torch.manual_seed(0)
-    small = Router2Net(Router2Config(hidden_size=24, num_layers=1, num_kv_heads=2, route_dim=8))
-    _randomise_correction(small, seed=5)
-    kmin = torch.randn(1, 2, 6, 16)
-    ctx = _ctx(
-        torch.randn(1, 4, 1, 16), {"kmin": kmin, "kmax": kmin + 1.0, "r2_emb": torch.randn(1, 2, 6, 8)}
-    )
+    small, ctx = _small_router_and_step()
     base, logits = torch.randn(2, 3, 6), torch.randn(2, 3, 6) * 4
     cand = torch.rand(2, 3, 6) > 0.3
     cand[1, 2] = False  # a head without a candidate keeps its logits
