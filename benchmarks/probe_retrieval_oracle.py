@@ -11,6 +11,12 @@ script registers it in its own process only (mm-oval's registry does not hold it
     python benchmarks/probe_retrieval_oracle.py --task message_1k --ranks 8,2 --out runs/oracle-message
     python benchmarks/probe_retrieval_oracle.py --task duo_1k --compress prompt --limit 20 \
         --sweep-args "--multi-turn 2" --out runs/oracle-duo
+    python benchmarks/probe_retrieval_oracle.py --task message_1k --ranks 8,2 --read-head-budget shared \
+        --out runs/oracle-message-shared
+
+With `--read-head-budget shared` both read as a layer's KV heads sharing their bytes (OVAL's
+`read_head_budget=shared`): one ranking of every head's pages, so the oracle is the best choice by
+attention share across the heads too.
 
 It runs `mm-oval sweep` (the same cells, resumable, with its table in OUT/sweep.md) with the two methods for
 each OVAL rank of `--ranks` (the oracle charged that rank's record bytes: a cheaper record reads more pages).
@@ -90,6 +96,12 @@ def main() -> int:
         default=[8],
         help="OVAL ranks, comma-separated: each runs OVAL and the oracle charged its bytes",
     )
+    ap.add_argument(
+        "--read-head-budget",
+        choices=("uniform", "shared"),
+        default="uniform",
+        help="each KV head reads its own bytes (uniform) or a layer's heads share them (shared)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     RETRIEVAL_REGISTRY[OraclePages.name] = OraclePages
@@ -99,6 +111,8 @@ def main() -> int:
     argv.append("--methods")
     for rank in args.ranks:
         opt = "" if rank == 8 else f",rank={rank}"  # 8: OVAL's default, spelled as the sweeps spell it
+        if args.read_head_budget == "shared":
+            opt += ",read_head_budget=shared"
         argv += [f"oval:read_bytes_budget{opt}", f"oracle_pages:read_bytes_budget{opt}"]
     return mm_oval_main(argv)
 

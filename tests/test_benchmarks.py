@@ -86,13 +86,18 @@ def test_probe_retrieval_oracle_scores_pages_by_their_exact_attention_and_reads_
     try:
         ids = torch.randint(1, 300, (1, 400), generator=g)
         reads = {}
-        for method in ("oval", mod.OraclePages.name):
-            with mm_oval.wrapped(tiny_lm, retrieval=method, read_bytes_budget=0.25):
-                tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
-                reads[method] = last_stats(tiny_lm)["bytes_read"]["total"]
+        for share in ("uniform", "shared"):  # `--read-head-budget`: the heads of a layer share the bytes too
+            for method in ("oval", mod.OraclePages.name):
+                with mm_oval.wrapped(
+                    tiny_lm, retrieval=method, read_bytes_budget=0.25, read_head_budget=share
+                ):
+                    tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+                    reads[method, share] = last_stats(tiny_lm)["bytes_read"]["total"]
     finally:
         del mod.RETRIEVAL_REGISTRY[mod.OraclePages.name]
-    assert reads["oval"] == reads[mod.OraclePages.name] and reads["oval"]["selected"] > 0
+    for share in ("uniform", "shared"):
+        oval = reads["oval", share]
+        assert oval == reads[mod.OraclePages.name, share] and oval["selected"] > 0
 
 
 def test_smol_curve_compares_two_training_runs_step_by_step_on_the_steps_both_logged(tmp_path):
