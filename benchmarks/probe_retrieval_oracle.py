@@ -70,6 +70,47 @@ class OraclePages(OvalRetrieval):
         return (torch.stack(shares).mean(0) + 1e-30).log()  # only the ranking matters (select fills by score)
 
 
+VALUES = "oracle_values"  # the output oracle's values (not charged either)
+
+
+@dataclass
+class OutputOraclePages(OraclePages):
+    """OVAL's records and bytes, pages picked by how much leaving each one out would move the head's output
+    (diagnostic only): per query head, a page's attention share times the distance of its values'
+    attention-weighted mean from the output over every closed page, a_p * |v_p - o| = |sum_t a_t v_t - a_p o|
+    (to first order the output's move when the page goes unread and the rest is renormalised), group mean."""
+
+    name: ClassVar[str] = "output_oracle_pages"
+
+    def summarize(self, pages: PageBatch) -> dict[str, torch.Tensor]:
+        out = super().summarize(pages)
+        out[VALUES] = torch.nn.functional.pad(
+            pages.values, (0, 0, 0, self.coef_rows - pages.values.shape[-2])
+        )
+        return out
+
+    def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
+        return super().summary_bytes({k: v for k, v in summaries.items() if k != VALUES}, page_len)
+
+    def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
+        keys, mask, values = ctx.summaries[KEYS], ctx.summaries[MASK], ctx.summaries[VALUES]
+        b, hkv, p, t, d = keys.shape
+        moves = []
+        for i in range(ctx.query.shape[2]):
+            q = ctx.query[:, :, i].float().reshape(b, hkv, -1, d)
+            logits = torch.einsum("bhgd,bhptd->bhgpt", q, keys.float()) * ctx.scaling
+            logits = logits.masked_fill(~mask.bool()[:, :, None], float("-inf"))
+            att = logits.flatten(-2).softmax(-1).view(logits.shape)  # over every closed page's tokens
+            part = torch.einsum("bhgpt,bhptd->bhgpd", att, values.float())  # sum_t a_t v_t per page
+            share = att.sum(-1, keepdim=True)  # a_p
+            move = (part - share * part.sum(-2, keepdim=True)).norm(dim=-1)  # (B, Hkv, G, P)
+            moves.append(move.mean(2))
+        return (torch.stack(moves).mean(0) + 1e-30).log()
+
+
+ORACLES = {"attention": OraclePages, "output": OutputOraclePages}
+
+
 def _ranks(text: str) -> list[int]:
     try:
         ranks = [int(r) for r in text.split(",")]
@@ -102,9 +143,17 @@ def main() -> int:
         default="uniform",
         help="each KV head reads its own bytes (uniform) or a layer's heads share them (shared)",
     )
+    ap.add_argument(
+        "--oracle",
+        choices=tuple(ORACLES),
+        default="attention",
+        help="pick pages by their exact attention share (attention) or by how far leaving each out moves "
+        "the head's output (output)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    RETRIEVAL_REGISTRY[OraclePages.name] = OraclePages
+    oracle = ORACLES[args.oracle]
+    RETRIEVAL_REGISTRY[oracle.name] = oracle
     argv = ["sweep", "--model", "smollm2", "--task", args.task, "--compress", args.compress]
     argv += ["--limit", str(args.limit), "--budgets", args.budgets, "--data", args.data, "--out", args.out]
     argv += ["--no-progress", "--batch-size", "10", *shlex.split(args.sweep_args)]
@@ -113,7 +162,7 @@ def main() -> int:
         opt = "" if rank == 8 else f",rank={rank}"  # 8: OVAL's default, spelled as the sweeps spell it
         if args.read_head_budget == "shared":
             opt += ",read_head_budget=shared"
-        argv += [f"oval:read_bytes_budget{opt}", f"oracle_pages:read_bytes_budget{opt}"]
+        argv += [f"oval:read_bytes_budget{opt}", f"{oracle.name}:read_bytes_budget{opt}"]
     return mm_oval_main(argv)
 
 

@@ -81,23 +81,43 @@ def test_probe_retrieval_oracle_scores_pages_by_their_exact_attention_and_reads_
     logits = torch.einsum("bhgd,bhptd->bhgpt", q[:, :, 0].reshape(b, hkv, grp, d), keys) * 0.3
     att = logits.masked_fill(~mask[:, :, None], float("-inf")).flatten(-2).softmax(-1).unflatten(-1, (p, t))
     torch.testing.assert_close(mod.OraclePages.score_pages(None, ctx).exp(), att.sum(-1).mean(2))
+    # the output oracle: how far the head's output over the closed pages moves, to first order, when a page
+    # goes unread and the rest is renormalised: a_p * |v_p - o|, v_p the page's attention-weighted values
+    values = torch.randn(b, hkv, p, t, d, generator=g)
+    ctx.summaries[mod.VALUES] = values
+    share = att.sum(-1)  # (b, hkv, grp, p)
+    v_page = torch.einsum("bhgpt,bhptd->bhgpd", att, values) / share.unsqueeze(-1)
+    out = (share.unsqueeze(-1) * v_page).sum(-2, keepdim=True)
+    for j in range(p):  # the first-order move against the exact one, on one page
+        rest = torch.ones(p, dtype=torch.bool)
+        rest[j] = False
+        exact = (share[..., rest, None] * v_page[..., rest, :]).sum(-2) / share[..., rest].sum(
+            -1, keepdim=True
+        )
+        first = share[..., j, None] * (v_page[..., j, :] - out[..., 0, :]) / (1 - share[..., j, None])
+        torch.testing.assert_close(exact - out[..., 0, :], -first)
+    want = (share * (v_page - out).norm(dim=-1)).mean(2)
+    torch.testing.assert_close(mod.OutputOraclePages.score_pages(None, ctx).exp(), want)
 
-    mod.RETRIEVAL_REGISTRY[mod.OraclePages.name] = mod.OraclePages
+    oracles = (mod.OraclePages.name, mod.OutputOraclePages.name)
+    mod.RETRIEVAL_REGISTRY.update({o.name: o for o in mod.ORACLES.values()})
     try:
         ids = torch.randint(1, 300, (1, 400), generator=g)
         reads = {}
         for share in ("uniform", "shared"):  # `--read-head-budget`: the heads of a layer share the bytes too
-            for method in ("oval", mod.OraclePages.name):
+            for method in ("oval", *oracles):
                 with mm_oval.wrapped(
                     tiny_lm, retrieval=method, read_bytes_budget=0.25, read_head_budget=share
                 ):
                     tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
                     reads[method, share] = last_stats(tiny_lm)["bytes_read"]["total"]
     finally:
-        del mod.RETRIEVAL_REGISTRY[mod.OraclePages.name]
+        for name in oracles:
+            del mod.RETRIEVAL_REGISTRY[name]
     for share in ("uniform", "shared"):
         oval = reads["oval", share]
-        assert oval == reads[mod.OraclePages.name, share] and oval["selected"] > 0
+        assert oval["selected"] > 0
+        assert all(reads[name, share] == oval for name in oracles)
 
 
 def test_smol_curve_compares_two_training_runs_step_by_step_on_the_steps_both_logged(tmp_path):
