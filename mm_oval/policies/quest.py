@@ -22,7 +22,11 @@ class Quest(RetrievalPolicy):
     as log(mean_g softmax_pages(score_g)). Both are the page_score_quest kernel's (mm_oval.kernels).
     Option summary_format: "float" (min / max in the keys' dtype, as its authors store them: the min and max
     of keys are keys' values, so exact) or "compact" (int8 with one fp16 scale per page, rounded outward so
-    the score stays an upper bound: page_summaries.compact_key_bounds)."""
+    the score stays an upper bound: page_summaries.compact_key_bounds).
+
+    Applied in every layer, as every retrieval policy here is: its authors' evaluation code reads the first
+    two layers densely (their attention is the least sparse), so at one bytes budget this Quest spreads the
+    bytes over every layer where theirs spends a share of them on layers 0-1."""
 
     name = "quest"
     # log of the page's share of the head's bound-softmax over the closed pages: one scale for every head
