@@ -16,7 +16,9 @@ script registers it in its own process only (mm-oval's registry does not hold it
 
 With `--read-head-budget shared` both read as a layer's KV heads sharing their bytes (OVAL's
 `read_head_budget=shared`): one ranking of every head's pages, so the oracle is the best choice by
-attention share across the heads too.
+attention share across the heads too. With `--oracle output` the oracle picks the pages whose omission would
+move the head's output most instead (`OutputOraclePages`: a page's attention share times the distance of its
+values' attention-weighted mean from the output, to first order that move), at the same records and bytes.
 
 It runs `mm-oval sweep` (the same cells, resumable, with its table in OUT/sweep.md) with the two methods for
 each OVAL rank of `--ranks` (the oracle charged that rank's record bytes: a cheaper record reads more pages).

@@ -88,7 +88,7 @@ def test_probe_retrieval_oracle_scores_pages_by_their_exact_attention_and_reads_
     share = att.sum(-1)  # (b, hkv, grp, p)
     v_page = torch.einsum("bhgpt,bhptd->bhgpd", att, values) / share.unsqueeze(-1)
     out = (share.unsqueeze(-1) * v_page).sum(-2, keepdim=True)
-    for j in range(p):  # the first-order move against the exact one, on one page
+    for j in range(p):  # leaving page j out moves the output by exactly a_p (o - v_p) / (1 - a_p)
         rest = torch.ones(p, dtype=torch.bool)
         rest[j] = False
         exact = (share[..., rest, None] * v_page[..., rest, :]).sum(-2) / share[..., rest].sum(
@@ -104,20 +104,20 @@ def test_probe_retrieval_oracle_scores_pages_by_their_exact_attention_and_reads_
     try:
         ids = torch.randint(1, 300, (1, 400), generator=g)
         reads = {}
-        for share in ("uniform", "shared"):  # `--read-head-budget`: the heads of a layer share the bytes too
+        for heads in ("uniform", "shared"):  # `--read-head-budget`: the heads of a layer share the bytes too
             for method in ("oval", *oracles):
                 with mm_oval.wrapped(
-                    tiny_lm, retrieval=method, read_bytes_budget=0.25, read_head_budget=share
+                    tiny_lm, retrieval=method, read_bytes_budget=0.25, read_head_budget=heads
                 ):
                     tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
-                    reads[method, share] = last_stats(tiny_lm)["bytes_read"]["total"]
+                    reads[method, heads] = last_stats(tiny_lm)["bytes_read"]["total"]
     finally:
         for name in oracles:
             del mod.RETRIEVAL_REGISTRY[name]
-    for share in ("uniform", "shared"):
-        oval = reads["oval", share]
+    for heads in ("uniform", "shared"):
+        oval = reads["oval", heads]
         assert oval["selected"] > 0
-        assert all(reads[name, share] == oval for name in oracles)
+        assert all(reads[name, heads] == oval for name in oracles)
 
 
 def test_smol_curve_compares_two_training_runs_step_by_step_on_the_steps_both_logged(tmp_path):
