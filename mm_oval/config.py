@@ -5,7 +5,7 @@ Two kinds of knobs, kept apart:
   `eviction_scope` (image and text ranked separately, or together), `head_budget`;
 - what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages)
   or `read_bytes_budget` (the fraction of dense attention's bytes), `read_scope` (which pages are candidates),
-  `read_head_budget`.
+  `read_head_budget`, `read_chunks` (whether a forward of several tokens also reads by retrieval).
 A knob of one kind that the configuration cannot use is refused (a budget with method "full" keeps
 everything; a read budget without a retrieval method reads everything), never silently ignored.
 `scope` and `retrieval_scope`, the former names of the two scopes, are refused with the new names.
@@ -33,6 +33,10 @@ READ_SCOPES = ("image", "all")
 PAGE_SIZINGS = ("fixed", "dynamic", "kept")
 DYNAMIC_PAGE_KNOBS = ("page_split", "max_page_tokens", "min_page_tokens", "mean_page_tokens")
 HEAD_BUDGETS = ("uniform", "shared")
+# how a forward feeding more than one token after the prefill (a later turn, or the question read after a
+# compressed context) reads the cache: "retrieval" (every token fed reads by the retrieval policy, within the
+# read budget) or "dense" (every page, as Quest's evaluation code does: retrieval at q_len == 1 only)
+READ_CHUNKS = ("retrieval", "dense")
 # 4x4 tiles: 16-token image pages, the page size Quest's and LOCKS's authors use, and the smallest at which every
 # page summary is at most 15% of the KV it indexes (Quest's float bounds 6.25%, compact LOCKS/OVAL rank 8 9.6%;
 # on 2x2 tiles they are 25% and 34%). On LLaVA-1.5's 24x24 grid that is 36 pages per image.
@@ -80,6 +84,9 @@ class OvalConfig:
     # sum of theirs, the best-scoring pages of any head first (the retrieval method must declare its page
     # scores comparable across heads: core.SharedHeads)
     read_head_budget: str = "uniform"
+    # "retrieval": a later turn fed at once reads by the retrieval policy too; "dense": it reads every page
+    # (only one-token decode steps read by retrieval: Quest's rule); see READ_CHUNKS
+    read_chunks: str = "retrieval"
     # each decode step also computes exact attention to measure the retrieval (stats' retrieval_monitor)
     monitor_retrieval: bool = False
     image_tile: int = DEFAULT_IMAGE_TILE
@@ -118,6 +125,11 @@ class OvalConfig:
             raise ConfigError(f"read_scope={self.read_scope!r} is not one of {READ_SCOPES}")
         if self.read_head_budget not in HEAD_BUDGETS:
             raise ConfigError(f"read_head_budget={self.read_head_budget!r} is not one of {HEAD_BUDGETS}")
+        if self.read_chunks not in READ_CHUNKS:
+            raise ConfigError(
+                f"read_chunks={self.read_chunks!r} is not one of {READ_CHUNKS}: 'dense' reads every page when "
+                "several tokens are fed at once (a later turn), 'retrieval' reads them by the retrieval policy"
+            )
         if not isinstance(self.monitor_retrieval, bool):
             raise ConfigError(f"monitor_retrieval must be True or False, got {self.monitor_retrieval!r}")
         for name in ("sink_tokens", "recent_tokens"):
@@ -263,6 +275,7 @@ class OvalConfig:
                     ("read_bytes_budget", None),
                     ("read_scope", "image"),
                     ("read_head_budget", "uniform"),
+                    ("read_chunks", "retrieval"),
                     ("page_sizing", "fixed"),
                     ("monitor_retrieval", False),
                 )

@@ -33,7 +33,10 @@ dtypes, real tokens only (never padding):
   always-read pages alone exceeded the head's budget (they read no optional page; with `read_head_budget`
   "shared" the layer's other heads pay for the excess out of the bytes they share), else 0;
 - `read_head_budget`: "uniform" (each KV head within its own read budget) or "shared" (a layer's KV heads
-  within the sum of theirs).
+  within the sum of theirs);
+- `read_chunks`: "retrieval" (a later turn fed at once reads by the retrieval policy) or "dense" (it reads
+  every page; counted in the totals above as dense reads); `dense_chunk_reads`: the (layer, forward) reads of
+  several tokens that read every page so.
 
 With `monitor_retrieval` (`RetrievalMonitor`), `retrieval_monitor` measures each layer's page selection at
 each decode step against exact attention of the step's newest token over the resident slots, pooled over
@@ -81,7 +84,7 @@ def get_stats(model: Any) -> dict[str, Any]:
 
 # ---- Prometheus text format -------------------------------------------------------------------------------
 _CONFIG_KEYS = ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget", "read_scope",
-                "read_bytes_budget", "read_head_budget")  # fmt: skip
+                "read_bytes_budget", "read_head_budget", "read_chunks")  # fmt: skip
 _BYTES_PARTS = ("summaries", "selected", "always_read", "read", "dense")
 
 

@@ -140,6 +140,8 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     out["page_read_fraction"] = (int(cache.counters["pages_read"]) / cand) if cand else None
     out["read_bytes_budget"] = cache.config.read_bytes_budget
     out["read_head_budget"] = cache.config.read_head_budget
+    out["read_chunks"] = cache.config.read_chunks
+    out["dense_chunk_reads"] = int(cache.counters["dense_chunk_reads"])
     out["bytes_read"] = bytes_read(cache)
     monitor = getattr(cache, "monitor", None)
     summary = monitor.summary() if monitor is not None else None

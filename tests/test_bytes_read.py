@@ -369,3 +369,42 @@ def test_dense_counts_the_resident_slots_when_a_later_turns_tokens_hold_padding(
     per_token = 2 * cache.layers[0].keys.shape[-1] * cache.layers[0].keys.element_size()
     assert cache.layers[0].all_valid is False  # the padding went into the table
     assert get_stats(model)["bytes_read"]["total"]["dense"] - before == sum(steps) * per_token
+
+
+def test_read_chunks_dense_reads_a_later_turn_densely_and_decode_steps_by_retrieval(model, llava_batch):
+    """`read_chunks="dense"` (Quest's rule: retrieval at one new token only): the question read after a
+    compressed image gives the logits dense attention gives over the same cache, the decode steps after it
+    still read a quarter of the image pages, and the stats count the chunk as read densely. The default reads
+    the chunk by retrieval too, which changes those logits. (2x2 image pages: 16 candidates, 4 read.)"""
+    from mm_oval.wrapper import prefill
+
+    full = llava_batch(TEXTS[:1])
+    ids = full["input_ids"]
+    split = int((ids[0] == model.config.image_token_index).nonzero().max()) + 2  # the image and one token
+    head = {"input_ids": ids[:, :split], "attention_mask": full["attention_mask"][:, :split],
+            "pixel_values": full["pixel_values"]}  # fmt: skip
+    logits, stats = {}, {}
+    for name, cfg in (
+        ("full", {}),
+        ("dense", {"retrieval": "oval", "read_budget": 0.25, "read_chunks": "dense", "image_tile": 2}),
+        ("retrieval", {"retrieval": "oval", "read_budget": 0.25, "image_tile": 2}),
+    ):
+        mm_oval.wrap(model, **cfg)
+        cache = prefill(model, **head)
+        out = model.generate(input_ids=ids, attention_mask=full["attention_mask"], cache=cache, max_new_tokens=3,
+                             min_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        logits[name], stats[name] = out.logits, get_stats(model)
+    torch.testing.assert_close(logits["dense"][0], logits["full"][0], rtol=1e-5, atol=1e-5)  # the chunk's
+    assert not torch.allclose(logits["retrieval"][0], logits["full"][0], rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(logits["dense"][1], logits["full"][1], rtol=1e-2, atol=1e-2)  # a decode step's
+    layers = model.config.text_config.num_hidden_layers
+    dense, default = stats["dense"], stats["retrieval"]
+    assert dense["read_chunks"] == "dense" and dense["dense_chunk_reads"] == layers
+    assert default["read_chunks"] == "retrieval" and default["dense_chunk_reads"] == 0
+    # the two decode steps after the chunk read by retrieval: a quarter of the candidate image pages
+    assert 0 < dense["page_read_fraction"] <= 0.3
+    assert dense["bytes_read"]["total"]["read"] < dense["bytes_read"]["total"]["dense"]
+    with pytest.raises(ConfigError, match="read_chunks='sparse' is not one of"):
+        OvalConfig(retrieval="oval", read_chunks="sparse")
+    with pytest.raises(ConfigError, match="read_chunks='dense' set without a retrieval method"):
+        OvalConfig(read_chunks="dense")

@@ -182,7 +182,8 @@ def test_a_changed_default_under_the_same_method_spec_is_refused(loaded, data, t
     monkeypatch.undo()
 
     # a run recorded before a knob existed ran at the default that does what every run did then: it resumes
-    before = ident | {"resolved": {k: v for k, v in ident["resolved"].items() if k != "read_head_budget"}}
+    added = ("read_head_budget", "read_chunks")
+    before = ident | {"resolved": {k: v for k, v in ident["resolved"].items() if k not in added}}
     (out / "run.json").write_text(json.dumps({"identity": before}))
     again = evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=spec, budget=0.5, **KW)
     assert again["run"]["new_items"] == 0 and again["primary"] == first["primary"]
@@ -190,6 +191,10 @@ def test_a_changed_default_under_the_same_method_spec_is_refused(loaded, data, t
     (out / "run.json").write_text(json.dumps({"identity": before | {"method": shared}}))
     with pytest.raises(ResultsError, match=r"resolved\.read_head_budget: None there, 'shared' now"):
         evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=shared, budget=0.5, **KW)
+    dense = "oval:sink_tokens=0,recent_tokens=0,read_chunks=dense"
+    (out / "run.json").write_text(json.dumps({"identity": before | {"method": dense}}))
+    with pytest.raises(ResultsError, match=r"resolved\.read_chunks: None there, 'dense' now"):
+        evaluate(model, processor, "vqav2", data, out_dir=out, limit=2, method=dense, budget=0.5, **KW)
 
     old = {k: v for k, v in ident.items() if k != "resolved"} | {"format": 2}
     (out / "run.json").write_text(json.dumps({"identity": old}))

@@ -26,11 +26,14 @@ GATHER_CHUNK_BYTES = 1 << 20
 
 # ---- which pages a step reads ----------------------------------------------------------------------------
 def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
-    """(B, Hkv, P) bool: the pages each KV head of `layer` reads at this step; None when it reads them all.
-    Counts the step's bytes read (and, with `monitor_retrieval`, records the choice)."""
+    """(B, Hkv, P) bool: the pages each KV head of `layer` reads at this step; None when it reads them all
+    (no retrieval, or several tokens fed at once with `read_chunks="dense"`). Counts the step's bytes read
+    (and, with `monitor_retrieval`, records the choice)."""
     owner, store, tel = layer.owner, layer.store, layer.telemetry
-    if owner.retrieval is None or not layer.summaries:
+    chunk = query.shape[2] > 1 and owner.config.read_chunks == "dense"  # several tokens fed: every page
+    if owner.retrieval is None or not layer.summaries or chunk:
         tel.count_read(store, None, None, tel.read_t.new_zeros(2))
+        owner.counters["dense_chunk_reads"] += int(chunk)
         return None
     ctx = decode_context(layer, query, scaling)
     cand, P_s = ctx.candidates, ctx.candidates.shape[-1]

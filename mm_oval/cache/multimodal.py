@@ -53,7 +53,9 @@ class PagedMultimodalCache(Cache):
         self.rope: Rope | None = None  # the text model's RoPE, set by the wrapped model before prefill
         # tensors once counted; read_over_budget: (KV head, step, layer) triples whose summaries and
         # always-read pages alone exceed the bytes budget (they read no optional page)
-        self.counters: dict[str, Any] = {"candidate_pages": 0, "pages_read": 0, "read_over_budget": 0}
+        self.counters: dict[str, Any] = {
+            "candidate_pages": 0, "pages_read": 0, "read_over_budget": 0, "dense_chunk_reads": 0
+        }  # fmt: skip
         self._kernels: bool | None = None  # decode through mm_oval.kernels; None = on CUDA only
         self._backend: MaskedDecode | None = None  # the request's decode backend, chosen at its first step
         self._scratch: torch.Tensor | None = None  # GatheredDecode's buffer
