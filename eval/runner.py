@@ -281,6 +281,13 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
         out["bytes_read"] = int(read)
         out["bytes_dense"] = int(dense)
         out["read_vs_dense"] = read / dense if dense else None
+        # the steps that feed one token, without the forwards of several (a question read after a
+        # compressed context, a later turn): what read_bytes_budget bounds
+        chunks = [r["bytes_read"].get("chunks") for r in rows if isinstance(r.get("bytes_read"), dict)]
+        if all(isinstance(ch, dict) for ch in chunks):  # absent from rows saved before it was counted
+            read1 = read - sum(ch["read"] for ch in chunks)
+            dense1 = dense - sum(ch["dense"] for ch in chunks)
+            out["one_token_read_vs_dense"] = read1 / dense1 if dense1 else None
     return out
 
 

@@ -105,6 +105,7 @@ def run_sweep(
                     "primary": r["primary"],
                     "kv_fraction_kept": r["kv"].get("kv_fraction_kept"),
                     "read_vs_dense": r["kv"].get("read_vs_dense"),
+                    "one_token_read_vs_dense": r["kv"].get("one_token_read_vs_dense"),
                     "dir": cell_dir_name(m, b),
                 }
             )
@@ -199,6 +200,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
             read_x = c.get("read_vs_dense")
             if read_x is not None and budget_field(m) != "budget":
                 cell += f" read {read_x:.2f}x"
+                one = c.get("one_token_read_vs_dense")
+                if one is not None and round(one, 2) != round(read_x, 2):
+                    cell += f" ({one:.2f}x a token)"
             row.append(cell)
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     read = [m for m in summary["methods"] if budget_field(m) == "read_budget"]
@@ -223,6 +227,18 @@ def markdown_table(summary: dict[str, Any]) -> str:
             "",
             "`read Nx`: the bytes the retrieval decode steps read (page summaries scanned + keys and values of "
             "the selected and always-read pages) over dense attention's over the resident cache, measured.",
+        ]
+    if any(
+        c.get("one_token_read_vs_dense") is not None
+        and c.get("read_vs_dense") is not None
+        and round(c["one_token_read_vs_dense"], 2) != round(c["read_vs_dense"], 2)
+        for c in summary["cells"]
+    ):
+        lines += [
+            "",
+            "`(Nx a token)`: the same over the steps that feed one token only, without the forwards that feed "
+            "several (the question read after a compressed context, a later turn): what `read_bytes_budget` "
+            "bounds; with `read_chunks=dense` those forwards read every page.",
         ]
     r = summary.get("rules")
     if r:

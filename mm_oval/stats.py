@@ -29,6 +29,9 @@ dtypes, real tokens only (never padding):
 - `per_step`: `total` divided by `decode_steps` (the decode forwards; a later turn fed at once is one);
 - `read_vs_dense` = read / dense (1.0 without retrieval; above 1 when the summaries cost more than the
   keys they spare), `image_read_vs_dense`, `text_read_vs_dense` per modality;
+- `chunks`: `read` and `dense` of the forwards that fed several tokens (a later turn, the question read
+  after a compressed context), part of `total`; `one_token_read_vs_dense`: read / dense of the other steps,
+  those that feed one token (what `read_bytes_budget` bounds; None without any);
 - `over_budget`: with `read_bytes_budget`, the (layer, KV head, step) reads whose summaries and
   always-read pages alone exceeded the head's budget (they read no optional page; with `read_head_budget`
   "shared" the layer's other heads pay for the excess out of the bytes they share), else 0;

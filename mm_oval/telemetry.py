@@ -156,6 +156,8 @@ def bytes_read(cache: Any) -> dict[str, Any]:
     rows = [c.read_t for c in counts if c is not None]
     kinds = ("summaries", "selected", "always_read", "dense")
     t = torch.stack(rows).sum(0).tolist() if rows else [[0, 0] for _ in kinds]
+    chunk_rows = [c.chunk_t for c in counts if c is not None and c.chunk_t is not None]
+    c = torch.stack(chunk_rows).sum(0).tolist() if chunk_rows else [[0, 0] for _ in kinds]
     steps = int(cache.timings["decode_steps"])
 
     def block(image: list[int], text: list[int]) -> dict[str, Any]:
@@ -172,10 +174,14 @@ def bytes_read(cache: Any) -> dict[str, Any]:
     def mean(d: dict[str, Any]) -> dict[str, Any]:
         return {k: mean(v) if isinstance(v, dict) else (v / steps if steps else None) for k, v in d.items()}
 
+    chunks = block([row[0] for row in c], [row[1] for row in c])
+    one = {k: total[k] - chunks[k] for k in (*kinds, "read")}
     ratio = lambda d: (d["read"] / d["dense"]) if d["dense"] else None  # noqa: E731
     return {
         "decode_steps": steps,
         "total": total,
+        "chunks": {k: chunks[k] for k in ("read", "dense")},
+        "one_token_read_vs_dense": ratio(one),
         "per_step": mean(total),
         "read_vs_dense": ratio(total),
         "image_read_vs_dense": ratio(total["image"]),

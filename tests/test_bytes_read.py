@@ -340,6 +340,14 @@ def test_the_run_summary_and_the_sweep_table_give_the_bytes_read_of_retrieval_ro
     assert "| oval | 90.00 (100%) read 1.71x |" in table
     assert "| quest:read_bytes_budget | 90.00 (100%) read 0.25x |" in table
     assert "the budget is `read_bytes_budget`" in table
+    assert "a token)" not in table  # no forward of several tokens: one figure
+    # the question read densely after a compressed context: both figures, and what the second one is
+    cells.append({"method": "oval:read_bytes_budget,read_chunks=dense", "budget": 0.25, "primary": 90.0,
+                  "kv_fraction_kept": 1.0, "read_vs_dense": 0.284, "one_token_read_vs_dense": 0.2496})  # fmt: skip
+    summary["methods"].append(cells[-1]["method"])
+    table = markdown_table(summary)
+    assert "| oval:read_bytes_budget,read_chunks=dense | 90.00 (100%) read 0.28x (0.25x a token) |" in table
+    assert "`(Nx a token)`: the same over the steps that feed one token only" in table
 
 
 def test_dense_counts_the_resident_slots_when_a_later_turns_tokens_hold_padding(model, llava_batch):
@@ -358,9 +366,9 @@ def test_dense_counts_the_resident_slots_when_a_later_turns_tokens_hold_padding(
     for layer in cache.layers:
         count = layer.telemetry.count_read
 
-        def counted(store, always, chosen, summary, layer=layer, count=count):
+        def counted(store, always, chosen, summary, several=False, layer=layer, count=count):
             steps.append(int(layer.slot_valid.sum()))  # the slot table's resident slots at this step
-            count(store, always, chosen, summary)
+            count(store, always, chosen, summary, several=several)
 
         layer.telemetry.count_read = counted
     before = get_stats(model)["bytes_read"]["total"]["dense"]
@@ -403,7 +411,19 @@ def test_read_chunks_dense_reads_a_later_turn_densely_and_decode_steps_by_retrie
     assert default["read_chunks"] == "retrieval" and default["dense_chunk_reads"] == 0
     # the two decode steps after the chunk read by retrieval: a quarter of the candidate image pages
     assert 0 < dense["page_read_fraction"] <= 0.3
-    assert dense["bytes_read"]["total"]["read"] < dense["bytes_read"]["total"]["dense"]
+    br = dense["bytes_read"]
+    assert br["total"]["read"] < br["total"]["dense"]
+    # the chunk read every resident slot once; the steps of one token read less than their dense bytes
+    assert br["chunks"]["read"] == br["chunks"]["dense"] > 0
+    one = (br["total"]["read"] - br["chunks"]["read"]) / (br["total"]["dense"] - br["chunks"]["dense"])
+    assert br["one_token_read_vs_dense"] == pytest.approx(one) and one < br["read_vs_dense"] < 1
+    assert default["bytes_read"]["chunks"]["read"] < default["bytes_read"]["chunks"]["dense"]
+    kv = summarize_kv([dense, dense])
+    assert kv["one_token_read_vs_dense"] == pytest.approx(one) and kv["read_vs_dense"] == pytest.approx(
+        br["read_vs_dense"]
+    )
+    old_rows = [dense | {"bytes_read": {k: v for k, v in br.items() if k != "chunks"}}]
+    assert "one_token_read_vs_dense" not in summarize_kv(old_rows)  # rows saved before it was counted
     with pytest.raises(ConfigError, match="read_chunks='sparse' is not one of"):
         OvalConfig(retrieval="oval", read_chunks="sparse")
     with pytest.raises(ConfigError, match="read_chunks='dense' set without a retrieval method"):

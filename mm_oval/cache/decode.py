@@ -30,9 +30,10 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
     (no retrieval, or several tokens fed at once with `read_chunks="dense"`). Counts the step's bytes read
     (and, with `monitor_retrieval`, records the choice)."""
     owner, store, tel = layer.owner, layer.store, layer.telemetry
-    chunk = query.shape[2] > 1 and owner.config.read_chunks == "dense"  # several tokens fed: every page
+    several = query.shape[2] > 1  # a later turn fed at once
+    chunk = several and owner.config.read_chunks == "dense"  # read every page
     if owner.retrieval is None or not layer.summaries or chunk:
-        tel.count_read(store, None, None, tel.read_t.new_zeros(2))
+        tel.count_read(store, None, None, tel.read_t.new_zeros(2), several=several)
         owner.counters["dense_chunk_reads"] += int(chunk)
         return None
     ctx = decode_context(layer, query, scaling)
@@ -56,7 +57,7 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
     scanned = torch.stack([(summary * image).sum(), (summary * ~image).sum()])
     picked = chosen
     chosen = torch.cat([chosen, torch.zeros_like(rest)], -1)
-    tel.count_read(store, always, chosen, scanned)
+    tel.count_read(store, always, chosen, scanned, several=several)
     if monitor is not None:  # against exact attention of the newest token
         monitor.record(layer.layer_idx, owner.timings["decode_steps"], seconds, query[:, :, -1], store.keys,
                        store.slot_valid, store.slot_page, scaling, cand, picked, chosen | always)  # fmt: skip

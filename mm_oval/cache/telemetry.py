@@ -48,6 +48,8 @@ class ReadTelemetry:
     p_page_image: torch.Tensor  # (B, Hkv, P0) bool
     # bytes read at decode, summed over steps: rows READ_KINDS; columns image, text
     read_t: torch.Tensor
+    # the part of read_t read by forwards of several tokens (a later turn fed at once), the same layout
+    chunk_t: Any = None
     # resident (valid) slots, image and text, kept up to date as decode appends tokens: what dense
     # attention reads each step, without a pass over the slot table per step
     resident: Any = None
@@ -69,7 +71,7 @@ class ReadTelemetry:
         p_count = torch.zeros(B, H, store.prompt_pages, dtype=torch.long, device=keys.device)
         p_count.scatter_add_(-1, lay.slot_page.clamp(min=0), (lay.src >= 0).long())
         read_t = torch.zeros(len(READ_KINDS), 2, dtype=torch.long, device=keys.device)
-        t = cls(prefill, mod == IMAGE, p_count, lay.page_kind == IMAGE, read_t)
+        t = cls(prefill, mod == IMAGE, p_count, lay.page_kind == IMAGE, read_t, torch.zeros_like(read_t))
         t.resident = t.by_modality(store, store.slot_valid)
         t.head_resident = store.slot_valid.sum(-1)
         return t
@@ -98,11 +100,17 @@ class ReadTelemetry:
         return torch.stack([image, prompt.sum() - image + dec.sum()])
 
     def count_read(
-        self, store: Any, always: torch.Tensor | None, chosen: torch.Tensor | None, summary: torch.Tensor
+        self,
+        store: Any,
+        always: torch.Tensor | None,
+        chosen: torch.Tensor | None,
+        summary: torch.Tensor,
+        several: bool = False,
     ) -> None:
         """Adds one decode step's bytes read to `read_t`: `always` / `chosen` (B, Hkv, P) bool pages read
         whatever the selection / selected by the retrieval policy (None, None: every slot is read),
-        `summary` (2,) the summary bytes scanned, image and text."""
+        `summary` (2,) the summary bytes scanned, image and text; `several`: the step fed several tokens
+        (a later turn), also added to `chunk_t`."""
         per_token = kv_bytes_per_token(store.keys)
         dense = self.resident
         if always is None:
@@ -110,9 +118,10 @@ class ReadTelemetry:
         else:
             read_always = self.pages_by_modality(store, always)
             selected = self.pages_by_modality(store, chosen)
-        self.read_t += torch.stack(
-            [summary, selected * per_token, read_always * per_token, dense * per_token]
-        )
+        step = torch.stack([summary, selected * per_token, read_always * per_token, dense * per_token])
+        self.read_t += step
+        if several:
+            self.chunk_t += step
 
     def layer_stats(self, store: Any, layer_idx: int) -> dict[str, Any]:
         """Tokens and bytes kept for the prompt, by modality: tokens summed over the batch and averaged over
