@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from mm_oval.eval.files import read_json
-from mm_oval.eval.tasks import get_task
+from mm_oval.eval.tasks import get_task, resolve_data
 
 from mm_oval.errors import DataError, MmOvalError, ResultsError
 from mm_oval.files import atomic_write_json
@@ -81,7 +81,8 @@ def compare(a: Path, b: Path, resamples: int = 10_000, seed: int = 0) -> dict[st
         what = "; ".join(f"{k}: {ia.get(k)!r} against {ib.get(k)!r}" for k in differ)
         raise DataError(f"{a} and {b} do not hold the same questions in the same setting ({what})")
     task = get_task(ia["task"])
-    items = task.load(Path(ia["data"]), limit=ia["limit"], **(ia.get("data_options") or {}))
+    # the data as the run named it: `bundled` / `bundled576` (what the command line writes) or a path
+    items = task.load(resolve_data(ia["data"], task), limit=ia["limit"], **(ia.get("data_options") or {}))
     units: dict[str, list] = defaultdict(list)
     for it in items:
         units[it.group or it.id].append(it)

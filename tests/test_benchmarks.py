@@ -230,6 +230,12 @@ def test_paired_cells_compares_two_cells_unit_by_unit_and_refuses_cells_it_canno
     assert r["a"]["score"] == json.loads((full / "results.json").read_text())["primary"]
     assert r["b"]["score"] == json.loads((cell / "results.json").read_text())["primary"]
     assert r["units_a_ahead"] + r["units_b_ahead"] + r["units_tied"] == images
+    # cells made by the command line name a bundled dev set by its name, not its path
+    for d in (full, cell):
+        run = json.loads((d / "run.json").read_text())
+        run["identity"]["data"] = "bundled"
+        (d / "run.json").write_text(json.dumps(run))
+    assert compare(full, cell, resamples=200) == r
 
     # two hand-made cells on the same questions: every answer right, and every answer wrong but one
     right = {it.id: Counter(a["answer"] for a in it.meta["answers"]).most_common(1)[0][0] for it in items}
