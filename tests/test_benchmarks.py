@@ -265,3 +265,54 @@ def test_paired_cells_compares_two_cells_unit_by_unit_and_refuses_cells_it_canno
         compare(tmp_path / "right", full)
     with pytest.raises(DataError, match="no run.json"):
         compare(tmp_path / "sw", full)
+
+
+def test_probe_answer_pages_forces_the_answers_pages_and_reads_layers_densely(
+    tiny_lm, byte_tokenizer, tmp_path
+):
+    """benchmarks/probe_answer_pages.py: the answer's tokens are found in the context; `as is` is the
+    configuration's own answer, every layer dense is the unwrapped model's, and forcing the answer's pages
+    makes every KV head of every layer read all of them at every decode step."""
+    from mm_oval.eval.tasks import get_task
+    from mm_oval.eval.textgen import generate_text
+
+    import mm_oval
+    from mm_oval.config import OvalConfig
+
+    mod = _load_benchmark("probe_answer_pages")
+    (tmp_path / "longtext.json").write_text(json.dumps({"seed": 7, "per_length": 2, "lengths": {"1k": 40}}))
+    item = get_task("message_1k").load(tmp_path, limit=1)[0]
+    span = mod.answer_span(byte_tokenizer, item)
+    head_ids, _ = mod.split_prompt(byte_tokenizer, item, tiny_lm.device)
+    assert byte_tokenizer.decode(head_ids[0, span[0] : span[-1] + 1]).lower() == item.meta["message"].lower()
+
+    spec = "oval:read_budget=0.25"
+    layers = tiny_lm.config.num_hidden_layers
+    rows = mod.probe(tiny_lm, byte_tokenizer, "message_1k", [item], spec, widen=4, dense=[(0, layers)],
+                     max_new_tokens=6, trace=True)  # fmt: skip
+    v = rows[0]["variants"]
+    with mm_oval.wrapped(tiny_lm, OvalConfig.from_spec(spec)):
+        own = generate_text(tiny_lm, byte_tokenizer, [item], 6, compress="context")[0][0]
+    assert v["as is"]["answer"] == own
+    assert (
+        v[f"dense 0:{layers}"]["answer"] == generate_text(tiny_lm, byte_tokenizer, [item], 6, "context")[0][0]
+    )
+    assert len(rows[0]["trace"]) > 0 and "answer read (+-4)" in v
+
+    kv_heads = tiny_lm.config.num_key_value_heads
+    trace: list = []
+    with (
+        mm_oval.wrapped(tiny_lm, OvalConfig.from_spec(spec)),
+        mod.patched_reads((span[0], span[-1]), True, None, trace),
+    ):
+        generate_text(tiny_lm, byte_tokenizer, [item], 6, compress="context")
+    assert trace and all(shares == [1.0] * kv_heads for _, shares in trace)
+    unforced: list = []  # the selection alone leaves some of them unread
+    with (
+        mm_oval.wrapped(tiny_lm, OvalConfig.from_spec(spec)),
+        mod.patched_reads((span[0], span[-1]), trace=unforced),
+    ):
+        generate_text(tiny_lm, byte_tokenizer, [item], 6, compress="context")
+    assert len(unforced) == len(trace) and any(min(shares) < 1.0 for _, shares in unforced)
+    assert mod.decode.read_pages is not None and mod.decode.read_pages.__name__ == "read_pages"
+    assert mod.decode.read_pages.__module__ == "mm_oval.cache.decode"  # restored
