@@ -8,8 +8,8 @@ under variants that change which pages some layers read at the one-token decode 
 - `dense L0:L1`: layers L0..L1-1 read every page (which layers' sparse reading loses the answer?).
 
 It prints, per context, each variant's answer and score (the task's own rule), and with `--trace` the
-decode steps of the `as is` run: how many of the model's KV heads read all of the answer's pages at each
-step, and the layers where none did. A diagnostic, not a method: the variants read more than the budget.
+decode steps of the `as is` run: how many of the model's KV heads read all of the pages holding the
+answer's own tokens at each step, and the layers where none did. A diagnostic, not a method: the variants read more than the budget.
 
     python benchmarks/probe_answer_pages.py --task message_1k --data docs/results/seed3 --ids 1k-2,1k-15 \
         --spec oval:read_bytes_budget=0.25,read_head_budget=shared,read_chunks=dense \
@@ -127,7 +127,9 @@ def probe(
         row: dict[str, Any] = {"id": it.id, "answer_tokens": [span[0], span[-1]], "variants": {}}
         for name, kw in variants:
             steps: list = [] if (trace and name == "as is") else None
-            with mm_oval.wrapped(model, cfg), patched_reads((lo, hi), trace=steps, **kw):
+            # forced: the answer's tokens and `widen` either side; traced: the answer's own tokens
+            reads = (lo, hi) if kw.get("force") else (span[0], span[-1])
+            with mm_oval.wrapped(model, cfg), patched_reads(reads, trace=steps, **kw):
                 ans, _ = generate_text(model, processor, [it], max_new_tokens, compress="context")[0]
             score = task.score([it], {it.id: ans})[task.primary_metric]
             row["variants"][name] = {"answer": ans, "score": score}
