@@ -5,7 +5,8 @@ Two kinds of knobs, kept apart:
   `eviction_scope` (image and text ranked separately, or together), `head_budget`;
 - what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages)
   or `read_bytes_budget` (the fraction of dense attention's bytes), `read_scope` (which pages are candidates),
-  `read_head_budget`, `read_chunks` (whether a forward of several tokens also reads by retrieval).
+  `read_head_budget`, `read_chunks` (whether a forward of several tokens also reads by retrieval),
+  `dense_layers` (the first layers read every page).
 A knob of one kind that the configuration cannot use is refused (a budget with method "full" keeps
 everything; a read budget without a retrieval method reads everything), never silently ignored.
 `scope` and `retrieval_scope`, the former names of the two scopes, are refused with the new names.
@@ -87,6 +88,10 @@ class OvalConfig:
     # "retrieval": a later turn fed at once reads by the retrieval policy too; "dense": it reads every page
     # (only one-token decode steps read by retrieval: Quest's rule); see READ_CHUNKS
     read_chunks: str = "retrieval"
+    # the first `dense_layers` layers read every page at every step (Quest's evaluation code reads layers 0
+    # and 1 densely, `self.layer_id < 2`); their bytes count as dense reads, so at one read_bytes_budget the
+    # whole model reads more than with 0
+    dense_layers: int = 0
     # each decode step also computes exact attention to measure the retrieval (stats' retrieval_monitor)
     monitor_retrieval: bool = False
     image_tile: int = DEFAULT_IMAGE_TILE
@@ -129,6 +134,15 @@ class OvalConfig:
             raise ConfigError(
                 f"read_chunks={self.read_chunks!r} is not one of {READ_CHUNKS}: 'dense' reads every page when "
                 "several tokens are fed at once (a later turn), 'retrieval' reads them by the retrieval policy"
+            )
+        if (
+            isinstance(self.dense_layers, bool)
+            or not isinstance(self.dense_layers, int)
+            or self.dense_layers < 0
+        ):
+            raise ConfigError(
+                f"dense_layers must be a whole number >= 0 (how many of the first layers read every page), got "
+                f"{self.dense_layers!r}"
             )
         if not isinstance(self.monitor_retrieval, bool):
             raise ConfigError(f"monitor_retrieval must be True or False, got {self.monitor_retrieval!r}")
@@ -276,6 +290,7 @@ class OvalConfig:
                     ("read_scope", "image"),
                     ("read_head_budget", "uniform"),
                     ("read_chunks", "retrieval"),
+                    ("dense_layers", 0),
                     ("page_sizing", "fixed"),
                     ("monitor_retrieval", False),
                 )

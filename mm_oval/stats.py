@@ -39,7 +39,8 @@ dtypes, real tokens only (never padding):
   within the sum of theirs);
 - `read_chunks`: "retrieval" (a later turn fed at once reads by the retrieval policy) or "dense" (it reads
   every page; counted in the totals above as dense reads); `dense_chunk_reads`: the (layer, forward) reads of
-  several tokens that read every page so.
+  several tokens that read every page so;
+- `dense_layers`: how many of the first layers read every page at every step (counted as dense reads).
 
 With `monitor_retrieval` (`RetrievalMonitor`), `retrieval_monitor` measures each layer's page selection at
 each decode step against exact attention of the step's newest token over the resident slots, pooled over
@@ -87,7 +88,7 @@ def get_stats(model: Any) -> dict[str, Any]:
 
 # ---- Prometheus text format -------------------------------------------------------------------------------
 _CONFIG_KEYS = ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget", "read_scope",
-                "read_bytes_budget", "read_head_budget", "read_chunks")  # fmt: skip
+                "read_bytes_budget", "read_head_budget", "read_chunks", "dense_layers")  # fmt: skip
 _BYTES_PARTS = ("summaries", "selected", "always_read", "read", "dense")
 
 

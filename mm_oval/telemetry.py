@@ -141,6 +141,7 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     out["read_bytes_budget"] = cache.config.read_bytes_budget
     out["read_head_budget"] = cache.config.read_head_budget
     out["read_chunks"] = cache.config.read_chunks
+    out["dense_layers"] = cache.config.dense_layers
     out["dense_chunk_reads"] = int(cache.counters["dense_chunk_reads"])
     out["bytes_read"] = bytes_read(cache)
     monitor = getattr(cache, "monitor", None)

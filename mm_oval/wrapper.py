@@ -412,6 +412,12 @@ def wrap(
     config = (config or OvalConfig()).replace(**overrides) if overrides else (config or OvalConfig())
     if is_text_only(model):  # a plain LM: the budgets are over its context (text pages only)
         config = config.for_text_only()
+    layers = getattr(lm.config, "num_hidden_layers", None)
+    if layers is not None and config.dense_layers >= layers:
+        raise ConfigError(
+            f"dense_layers={config.dense_layers} reads every page in all {layers} layers of this model, so "
+            f"retrieval would read nothing selectively: use dense_layers < {layers}, or no retrieval"
+        )
     eviction, retrieval = make_policies(model, config, eviction_policy, retrieval_policy)
     if is_wrapped(model):
         unwrap(model)

@@ -428,3 +428,41 @@ def test_read_chunks_dense_reads_a_later_turn_densely_and_decode_steps_by_retrie
         OvalConfig(retrieval="oval", read_chunks="sparse")
     with pytest.raises(ConfigError, match="read_chunks='dense' set without a retrieval method"):
         OvalConfig(read_chunks="dense")
+
+
+def test_dense_layers_read_every_page_in_the_first_layers_only(tiny_lm, monkeypatch):
+    """`dense_layers` (Quest's evaluation code reads its first two layers densely): the first layers read every
+    page at every decode step, the others still by retrieval; their bytes count as dense reads, so the model
+    reads more than with none; as many dense layers as the model has is refused (nothing left to retrieve)."""
+    from mm_oval.cache import decode
+
+    chosen, seen = decode.read_pages, []
+
+    def spy(layer, query, scaling):
+        out = chosen(layer, query, scaling)
+        if query.shape[2] == 1:
+            seen.append((layer.layer_idx, out is None))
+        return out
+
+    monkeypatch.setattr(decode, "read_pages", spy)
+    ids = torch.randint(1, 300, (1, 400), generator=torch.Generator().manual_seed(0))
+    layers = tiny_lm.config.num_hidden_layers
+    reads, by_layer = {}, {}
+    for n in (0, 1):
+        seen.clear()
+        with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, dense_layers=n):
+            tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+            stats = get_stats(tiny_lm)
+        assert stats["dense_layers"] == n
+        reads[n] = stats["bytes_read"]["total"]["read"]
+        by_layer[n] = {i: {d for j, d in seen if j == i} for i in range(layers)}
+    assert by_layer[0] == {i: {False} for i in range(layers)}  # every layer selects its pages
+    assert by_layer[1] == {0: {True}, **{i: {False} for i in range(1, layers)}}  # layer 0 reads them all
+    assert reads[1] > reads[0]
+    with pytest.raises(ConfigError, match=f"dense_layers={layers} reads every page in all {layers} layers"):
+        mm_oval.wrap(tiny_lm, retrieval="oval", read_budget=0.25, dense_layers=layers)
+    assert not mm_oval.is_wrapped(tiny_lm)
+    with pytest.raises(ConfigError, match="dense_layers must be a whole number >= 0"):
+        OvalConfig(retrieval="oval", dense_layers=-1)
+    with pytest.raises(ConfigError, match="dense_layers=2 set without a retrieval method"):
+        OvalConfig(dense_layers=2)

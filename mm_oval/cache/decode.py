@@ -27,14 +27,15 @@ GATHER_CHUNK_BYTES = 1 << 20
 # ---- which pages a step reads ----------------------------------------------------------------------------
 def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
     """(B, Hkv, P) bool: the pages each KV head of `layer` reads at this step; None when it reads them all
-    (no retrieval, or several tokens fed at once with `read_chunks="dense"`). Counts the step's bytes read
+    (no retrieval, several tokens fed at once with `read_chunks="dense"`, or a layer below `dense_layers`). Counts the step's bytes read
     (and, with `monitor_retrieval`, records the choice)."""
     owner, store, tel = layer.owner, layer.store, layer.telemetry
     several = query.shape[2] > 1  # a later turn fed at once
     chunk = several and owner.config.read_chunks == "dense"  # read every page
-    if owner.retrieval is None or not layer.summaries or chunk:
+    dense_layer = layer.layer_idx < owner.config.dense_layers
+    if owner.retrieval is None or not layer.summaries or chunk or dense_layer:
         tel.count_read(store, None, None, tel.read_t.new_zeros(2), several=several)
-        owner.counters["dense_chunk_reads"] += int(chunk)
+        owner.counters["dense_chunk_reads"] += int(chunk and not dense_layer)
         return None
     ctx = decode_context(layer, query, scaling)
     cand, P_s = ctx.candidates, ctx.candidates.shape[-1]

@@ -24,9 +24,10 @@ class Quest(RetrievalPolicy):
     of keys are keys' values, so exact) or "compact" (int8 with one fp16 scale per page, rounded outward so
     the score stays an upper bound: page_summaries.compact_key_bounds).
 
-    Applied in every layer, as every retrieval policy here is: its authors' evaluation code reads the first
-    two layers densely (their attention is the least sparse), so at one bytes budget this Quest spreads the
-    bytes over every layer where theirs spends a share of them on layers 0-1."""
+    Applied in every layer by default, as every retrieval policy here is; its authors' evaluation code reads
+    the first two layers densely (their attention is the least sparse) and a forward of several tokens
+    densely: `dense_layers=2, read_chunks="dense"` (OvalConfig) is their rule, and at one bytes budget it
+    spends a share of the bytes on layers 0-1."""
 
     name = "quest"
     # log of the page's share of the head's bound-softmax over the closed pages: one scale for every head
