@@ -9,7 +9,8 @@ under variants that change which pages some layers read at the one-token decode 
 
 It prints, per context, each variant's answer and score (the task's own rule), and with `--trace` the
 decode steps of the `as is` run: how many of the model's KV heads read all of the pages holding the
-answer's own tokens at each step, and the layers where none did. A diagnostic, not a method: the variants read more than the budget.
+answer's own tokens at each step, and the layers where none did. A diagnostic, not a method: the variants
+read more than the budget.
 
     python benchmarks/probe_answer_pages.py --task message_1k --data docs/results/seed3 --ids 1k-2,1k-15 \
         --spec oval:read_bytes_budget=0.25,read_head_budget=shared,read_chunks=dense \
@@ -82,6 +83,8 @@ def patched_reads(
             return out
         if dense is not None and dense[0] <= layer.layer_idx < dense[1]:
             out = None
+        if not (force and out is not None) and trace is None:
+            return out  # nothing to add or record: the span's pages are not needed
         heads = range(layer.store.slot_page.shape[1])
         pages = [_span_pages(layer.store, h, *span) for h in heads]
         if force and out is not None:

@@ -27,8 +27,8 @@ GATHER_CHUNK_BYTES = 1 << 20
 # ---- which pages a step reads ----------------------------------------------------------------------------
 def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
     """(B, Hkv, P) bool: the pages each KV head of `layer` reads at this step; None when it reads them all
-    (no retrieval, several tokens fed at once with `read_chunks="dense"`, or a layer below `dense_layers`). Counts the step's bytes read
-    (and, with `monitor_retrieval`, records the choice)."""
+    (no retrieval, several tokens fed at once with `read_chunks="dense"`, or a layer below `dense_layers`).
+    Counts the step's bytes read (and, with `monitor_retrieval`, records the choice)."""
     owner, store, tel = layer.owner, layer.store, layer.telemetry
     several = query.shape[2] > 1  # a later turn fed at once
     chunk = several and owner.config.read_chunks == "dense"  # read every page
