@@ -7,7 +7,11 @@ without importing them; the methods that choose an allocation (`mm_oval.policies
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -134,6 +138,61 @@ def weighted_counts(free: torch.Tensor, decidable: torch.Tensor, weights: tuple[
     order = gap.argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(L, device=d.device).expand_as(order))
     return (counts + (rank < short.unsqueeze(-1)).double()).long()
+
+
+# ---- the read budget divided over the layers (OvalConfig.read_layer_budget) ---------------------------------
+def read_layer_weights(name: str, num_layers: int) -> tuple[float, ...] | None:
+    """The per-layer weights of `OvalConfig.read_layer_budget` for a model of `num_layers` layers: None for
+    "uniform"; else the "weights" of the JSON file `name` (one positive number per layer, averaging 1;
+    benchmarks/retrieval_layer_budget.py fits them). A clear error when missing or malformed."""
+    if name == "uniform":
+        return None
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(
+            f"read_layer_budget={name!r} is not a file: give a JSON file of per-layer weights (fit one with "
+            "`python benchmarks/retrieval_layer_budget.py --out FILE`), or 'uniform'"
+        )
+    return _load_read_layer_weights(str(path), path.stat().st_mtime_ns, num_layers)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_read_layer_weights(path: str, mtime_ns: int, num_layers: int) -> tuple[float, ...]:
+    how = f'read_layer_budget: {path} must hold "weights": {num_layers} positive numbers (one per layer)'
+    try:
+        weights = json.loads(Path(path).read_text())["weights"]
+        ok = isinstance(weights, list) and len(weights) == num_layers
+        ok = ok and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
+        ok = ok and all(math.isfinite(w) and w > 0 for w in weights)
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{how} for this model; fit one for it with benchmarks/retrieval_layer_budget.py")
+    mean = sum(weights) / num_layers
+    if abs(mean - 1.0) > 1e-3:
+        raise ConfigError(
+            f"{how} averaging 1 (they average {mean:.4f}, which would change the total read): divide them "
+            "by their mean"
+        )
+    return tuple(float(w) for w in weights)
+
+
+def layer_fractions(weights: tuple[float, ...], fraction: float) -> tuple[float, ...]:
+    """Each layer's read fraction under per-layer `weights` (averaging 1) and a model-wide `fraction`:
+    `w_l x fraction`, capped at 1 (every page); what a capped layer cannot use goes to the others in
+    proportion to their weights (water-filling), so the mean stays `fraction`."""
+    L = len(weights)
+    capped: set[int] = set()
+    out = [0.0] * L
+    for _ in range(L):
+        rest = L * fraction - len(capped)
+        free = sum(w for i, w in enumerate(weights) if i not in capped)
+        out = [1.0 if i in capped else w / free * rest for i, w in enumerate(weights)]
+        over = {i for i, f in enumerate(out) if f > 1.0}
+        if not over:
+            break
+        capped |= over
+    return tuple(min(f, 1.0) for f in out)
 
 
 def shared_head_keep(

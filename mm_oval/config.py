@@ -6,7 +6,8 @@ Two kinds of knobs, kept apart:
 - what is read per decode step (retrieval): `retrieval`, `read_budget` (the fraction of candidate pages)
   or `read_bytes_budget` (the fraction of dense attention's bytes), `read_scope` (which pages are candidates),
   `read_head_budget`, `read_chunks` (whether a forward of several tokens also reads by retrieval),
-  `dense_layers` (the first layers read every page).
+  `dense_layers` (the first layers read every page), `read_layer_budget` (how the read bytes are divided
+  over the layers).
 A knob of one kind that the configuration cannot use is refused (a budget with method "full" keeps
 everything; a read budget without a retrieval method reads everything), never silently ignored.
 `scope` and `retrieval_scope`, the former names of the two scopes, are refused with the new names.
@@ -92,6 +93,10 @@ class OvalConfig:
     # and 1 densely, `self.layer_id < 2`); their bytes count as dense reads, so at one read_bytes_budget the
     # whole model reads more than with 0
     dense_layers: int = 0
+    # "uniform": every layer reads within the same read budget; else a JSON file of per-layer "weights"
+    # fitted for one model: layer l reads within weight_l x the budget (capped at every page), the weights
+    # averaging 1 so the total is kept (mm_oval.allocation.read_layer_weights)
+    read_layer_budget: str = "uniform"
     # each decode step also computes exact attention to measure the retrieval (stats' retrieval_monitor)
     monitor_retrieval: bool = False
     image_tile: int = DEFAULT_IMAGE_TILE
@@ -143,6 +148,11 @@ class OvalConfig:
             raise ConfigError(
                 f"dense_layers must be a whole number >= 0 (how many of the first layers read every page), got "
                 f"{self.dense_layers!r}"
+            )
+        if not isinstance(self.read_layer_budget, str) or not self.read_layer_budget:
+            raise ConfigError(
+                f"read_layer_budget must be 'uniform' or a JSON file of fitted per-layer weights, "
+                f"got {self.read_layer_budget!r}"
             )
         if not isinstance(self.monitor_retrieval, bool):
             raise ConfigError(f"monitor_retrieval must be True or False, got {self.monitor_retrieval!r}")
@@ -291,6 +301,7 @@ class OvalConfig:
                     ("read_head_budget", "uniform"),
                     ("read_chunks", "retrieval"),
                     ("dense_layers", 0),
+                    ("read_layer_budget", "uniform"),
                     ("page_sizing", "fixed"),
                     ("monitor_retrieval", False),
                 )

@@ -40,7 +40,8 @@ dtypes, real tokens only (never padding):
 - `read_chunks`: "retrieval" (a later turn fed at once reads by the retrieval policy) or "dense" (it reads
   every page; counted in the totals above as dense reads); `dense_chunk_reads`: the (layer, forward) reads of
   several tokens that read every page so;
-- `dense_layers`: how many of the first layers read every page at every step (counted as dense reads).
+- `dense_layers`: how many of the first layers read every page at every step (counted as dense reads);
+- `read_layer_budget`: "uniform" (every layer within the same read budget) or the per-layer division used.
 
 With `monitor_retrieval` (`RetrievalMonitor`), `retrieval_monitor` measures each layer's page selection at
 each decode step against exact attention of the step's newest token over the resident slots, pooled over
@@ -49,7 +50,8 @@ steps, layers, the batch and heads (absent without the knob or before any select
   the pages selected for that KV head and step; a page's true mass is its share of exact attention, the
   query heads' page distributions averaged over the KV head's group);
 - `attention_mass_recall`: `measures.attention_mass_captured` of the tokens read (selected and
-  always-read pages), the mean over (step, layer, sample, query head);
+  always-read pages), the mean over (step, layer, sample, query head); `layer_attention_mass_recall`: the
+  same per layer, a list indexed by layer (None for a layer never measured, e.g. below `dense_layers`);
 - `page_utilisation`: the share of the request's (layer, sample, KV head) candidate pages read at least once;
 - `pages_selected` (the denominator of `hit_rate`), `layer_steps` (the selections measured);
 - `co_read_density`: how many page pairs are read together: per (step, layer, sample, KV head), the graph
@@ -88,7 +90,7 @@ def get_stats(model: Any) -> dict[str, Any]:
 
 # ---- Prometheus text format -------------------------------------------------------------------------------
 _CONFIG_KEYS = ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget", "read_scope",
-                "read_bytes_budget", "read_head_budget", "read_chunks", "dense_layers")  # fmt: skip
+                "read_bytes_budget", "read_head_budget", "read_chunks", "dense_layers", "read_layer_budget")  # fmt: skip
 _BYTES_PARTS = ("summaries", "selected", "always_read", "read", "dense")
 
 

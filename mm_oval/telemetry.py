@@ -142,6 +142,7 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     out["read_head_budget"] = cache.config.read_head_budget
     out["read_chunks"] = cache.config.read_chunks
     out["dense_layers"] = cache.config.dense_layers
+    out["read_layer_budget"] = cache.config.read_layer_budget
     out["dense_chunk_reads"] = int(cache.counters["dense_chunk_reads"])
     out["bytes_read"] = bytes_read(cache)
     monitor = getattr(cache, "monitor", None)
@@ -286,11 +287,16 @@ class RetrievalMonitor:
             per_step[step] = per_step.get(step, 0.0) + sec
         q = lambda xs, p: 1e3 * float(torch.tensor(xs, dtype=torch.float64).quantile(p))  # noqa: E731
         co_sum, co_n = torch.stack(list(self.co_tally.values())).sum(0).tolist()
+        per_layer = {
+            li: t[2] / t[3] for li, t in zip(self.tally, torch.stack(list(self.tally.values())).tolist())
+        }
         return {
             "layer_steps": len(per_call),
             "pages_selected": int(selected),
             "hit_rate": hits / selected if selected else None,
             "attention_mass_recall": recall / n if n else None,
+            # per layer (None for a layer never measured: read densely, or without candidates)
+            "layer_attention_mass_recall": [per_layer.get(li) for li in range(max(per_layer) + 1)],
             "page_utilisation": used / cand if cand else None,
             "co_read_density": co_sum / co_n if co_n else None,
             "select_ms_p50": q(per_call, 0.5),

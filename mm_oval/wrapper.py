@@ -53,7 +53,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
-from .allocation import check_policy
+from .allocation import check_policy, read_layer_weights
 from .cache import PagedMultimodalCache, take_pending
 from .config import OvalConfig
 from .core import Rope
@@ -418,6 +418,8 @@ def wrap(
             f"dense_layers={config.dense_layers} reads every page in all {layers} layers of this model, so "
             f"retrieval would read nothing selectively: use dense_layers < {layers}, or no retrieval"
         )
+    if layers is not None and config.retrieval is not None:
+        read_layer_weights(config.read_layer_budget, layers)  # a division that does not fit is refused here
     eviction, retrieval = make_policies(model, config, eviction_policy, retrieval_policy)
     if is_wrapped(model):
         unwrap(model)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -320,3 +322,24 @@ def test_probe_answer_pages_forces_the_answers_pages_and_reads_layers_densely(
     assert unforced and any(min(shares) < 1.0 for _, shares in unforced)
     assert mod.decode.read_pages is not None and mod.decode.read_pages.__name__ == "read_pages"
     assert mod.decode.read_pages.__module__ == "mm_oval.cache.decode"  # restored
+
+
+def test_retrieval_layer_budget_gives_the_read_bytes_to_the_layers_whose_recall_rises_most():
+    """benchmarks/retrieval_layer_budget.py divides a mean read fraction over the layers from each layer's
+    measured recall curve: by the mass kept, to the layer that gains most per byte; by the log of the mass
+    missed, to the layer whose missed mass falls by the largest factor; the mean stays the target, a layer
+    read densely (never measured) keeps the target, and the smallest budget measured is each layer's floor."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from retrieval_layer_budget import fit_fractions
+
+    from mm_oval.errors import MmOvalError
+
+    # layer 0 diffuse (recall grows with what it reads), layer 1 near-saturated, layer 2 read densely
+    curves = {"0.1": {"recall": [0.2, 0.9, None]}, "0.5": {"recall": [0.6, 0.99, None]}}
+    mass = fit_fractions(curves, 0.3, "mass")
+    assert sum(mass) / 3 == pytest.approx(0.3, abs=0.003) and mass[2] == 0.3
+    assert mass[0] == pytest.approx(0.5, abs=0.003) and mass[1] == pytest.approx(0.1)  # 1.0/0.4 vs 0.09/0.4
+    log = fit_fractions(curves, 0.3, "log")
+    assert log[1] > log[0] >= 0.1  # missed mass 10x down (0.1 -> 0.01) beats 2x down (0.8 -> 0.4)
+    with pytest.raises(MmOvalError, match="below the smallest budget measured"):
+        fit_fractions(curves, 0.05)

@@ -466,3 +466,55 @@ def test_dense_layers_read_every_page_in_the_first_layers_only(tiny_lm, monkeypa
         OvalConfig(retrieval="oval", dense_layers=-1)
     with pytest.raises(ConfigError, match="dense_layers=2 set without a retrieval method"):
         OvalConfig(dense_layers=2)
+
+
+def test_read_layer_budget_divides_the_bytes_over_the_layers_and_keeps_the_total(
+    tiny_lm, tmp_path, monkeypatch
+):
+    """`read_layer_budget` (a per-layer division of the read budget, fitted for one model): layer l reads
+    within weight_l x the bytes budget, so a layer weighted up reads more pages and one weighted down fewer,
+    the model's total within the same budget; the monitor's recall per layer shows the effect. A division
+    that does not fit the model, does not average 1, or names nothing is refused with what to do."""
+    from mm_oval.allocation import layer_fractions
+    from mm_oval.cache import decode
+
+    chosen, pages = decode.read_pages, {}
+
+    def spy(layer, query, scaling):
+        out = chosen(layer, query, scaling)
+        if query.shape[2] == 1 and out is not None:
+            pages[layer.layer_idx] = pages.get(layer.layer_idx, 0) + int(out.sum())
+        return out
+
+    monkeypatch.setattr(decode, "read_pages", spy)
+    division = tmp_path / "division.json"
+    division.write_text(json.dumps({"weights": [1.8, 0.6, 0.6]}))
+    ids = torch.randint(1, 300, (1, 600), generator=torch.Generator().manual_seed(0))
+    read, recall = {}, {}
+    for name in ("uniform", str(division)):
+        pages.clear()
+        with mm_oval.wrapped(tiny_lm, retrieval="oval", read_bytes_budget=0.3, read_layer_budget=name,
+                             monitor_retrieval=True):  # fmt: skip
+            tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+            stats = get_stats(tiny_lm)
+        assert stats["read_layer_budget"] == name
+        read[name] = (dict(pages), stats["bytes_read"]["one_token_read_vs_dense"])
+        recall[name] = stats["retrieval_monitor"]["layer_attention_mass_recall"]
+    (uni, uni_total), (div, div_total) = read["uniform"], read[str(division)]
+    assert div[0] > uni[0] and div[1] < uni[1] and div[2] < uni[2]
+    assert div_total <= 0.3 + 1e-6 and uni_total <= 0.3 + 1e-6
+    assert div_total == pytest.approx(uni_total, abs=0.03)
+    assert len(recall["uniform"]) == 3 and recall[str(division)][0] > recall["uniform"][0]
+    # what a layer capped at every page cannot use goes to the others; the mean stays the budget
+    assert layer_fractions((3.0, 0.5, 0.5), 0.5) == pytest.approx((1.0, 0.25, 0.25))
+    division.write_text(json.dumps({"weights": [1.0, 1.0]}))
+    with pytest.raises(ConfigError, match=r"must hold \"weights\": 3 positive numbers"):
+        mm_oval.wrap(tiny_lm, retrieval="oval", read_bytes_budget=0.3, read_layer_budget=str(division))
+    division.write_text(json.dumps({"weights": [2.0, 1.0, 1.0]}))
+    with pytest.raises(ConfigError, match="they average 1.3333"):
+        mm_oval.wrap(tiny_lm, retrieval="oval", read_bytes_budget=0.3, read_layer_budget=str(division))
+    with pytest.raises(ConfigError, match="read_layer_budget='no-such.json' is not a file"):
+        mm_oval.wrap(tiny_lm, retrieval="oval", read_bytes_budget=0.3, read_layer_budget="no-such.json")
+    assert not mm_oval.is_wrapped(tiny_lm)
+    with pytest.raises(ConfigError, match="read_layer_budget='d.json' set without a retrieval method"):
+        OvalConfig(read_layer_budget="d.json")

@@ -60,6 +60,9 @@ def test_reading_every_page_hits_every_true_top_page_and_recalls_all_the_mass(
     m = s["retrieval_monitor"]
     assert m["hit_rate"] == pytest.approx(1.0)
     assert m["attention_mass_recall"] == pytest.approx(1.0, abs=1e-6)
+    assert m["layer_attention_mass_recall"] == pytest.approx(
+        [1.0] * model.config.text_config.num_hidden_layers
+    )
     assert m["page_utilisation"] == pytest.approx(1.0)
     assert m["co_read_density"] == pytest.approx(1.0)  # every pair of pages read at every step
     n_layers = model.config.text_config.num_hidden_layers
@@ -87,6 +90,14 @@ def test_a_partial_read_budget_recalls_less_and_the_block_is_absent_when_not_ask
     m = m["retrieval_monitor"]
     assert f"mm_oval_retrieval_co_read_density {m['co_read_density']!r}" in exported
     assert 0.0 < m["attention_mass_recall"] < 1.0
+    per_layer = m["layer_attention_mass_recall"]  # the pooled recall is their mean (each layer as many steps)
+    assert sum(per_layer) / len(per_layer) == pytest.approx(m["attention_mass_recall"])
+    assert min(per_layer) < 1.0
+    dense0 = _generate(model, processor, llava_batch, retrieval="quest", read_budget=0.25,
+                       monitor_retrieval=True, image_tile=2, dense_layers=1)["retrieval_monitor"]  # fmt: skip
+    assert dense0["layer_attention_mass_recall"][0] is None  # layer 0 read densely: never measured
+    assert len(dense0["layer_attention_mass_recall"]) == len(per_layer)
+    assert all(0.0 < r < 1.0 for r in dense0["layer_attention_mass_recall"][1:])
     assert 0.0 < m["hit_rate"] <= 1.0 and 0.25 <= m["page_utilisation"] <= 1.0
     assert 0.0 < m["co_read_density"] < 1.0
     plain = _generate(model, processor, llava_batch, retrieval="quest", read_budget=0.25)

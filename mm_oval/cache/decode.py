@@ -43,9 +43,9 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
     B, H, P = store.page_len.shape
     rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
     always = torch.cat([~cand, rest], -1) & (store.page_len > 0)
-    budget: float | BytesBudget | SharedHeads = owner.config.read_budget
+    budget: float | BytesBudget | SharedHeads = owner.read_fraction(layer.layer_idx)  # read_layer_budget's
     if owner.config.read_bytes_budget is not None:
-        budget = bytes_budget(layer, cand, always, summary.sum(-1), owner.config.read_bytes_budget)
+        budget = bytes_budget(layer, cand, always, summary.sum(-1), budget)
     if owner.config.read_head_budget == "shared":
         budget = SharedHeads(budget)
     monitor = owner.monitor
