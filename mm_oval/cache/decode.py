@@ -7,12 +7,14 @@ backends with one interface, chosen once per request (`choose_backend`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..allocation import layer_fractions, read_layer_weights
 from ..core import IMAGE, BytesBudget, DecodeContext, SharedHeads
 from .telemetry import kv_bytes_per_token, page_kv_bytes
 
@@ -25,17 +27,49 @@ GATHER_CHUNK_BYTES = 1 << 20
 
 
 # ---- which pages a step reads ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReadRule:
+    """How a request's layers read the cache after its prefill, from the configuration, built once per cache
+    (`ReadRule.of`): which forwards read every page, and each layer's read budget otherwise.
+    - `dense_chunks`: a forward of several tokens (a later turn, the question after a compressed context)
+      reads every page (`read_chunks="dense"`, Quest's rule);
+    - `dense_layers`: layers below it read every page at every step;
+    - `fractions`: each layer's read budget, a fraction of its candidate pages or, with `of_bytes`, of dense
+      attention's bytes (`read_budget` / `read_bytes_budget`, divided over the layers by
+      `read_layer_budget`);
+    - `shared_heads`: a layer's KV heads read within the sum of their budgets (`read_head_budget`)."""
+
+    dense_chunks: bool
+    dense_layers: int
+    fractions: tuple[float, ...]
+    of_bytes: bool
+    shared_heads: bool
+
+    @classmethod
+    def of(cls, config: Any, num_layers: int) -> ReadRule:
+        of_bytes = config.read_bytes_budget is not None
+        fraction = config.read_bytes_budget if of_bytes else config.read_budget
+        weights = read_layer_weights(config.read_layer_budget, num_layers)
+        fractions = (fraction,) * num_layers if weights is None else layer_fractions(weights, fraction)
+        return cls(config.read_chunks == "dense", config.dense_layers, fractions, of_bytes,
+                   config.read_head_budget == "shared")  # fmt: skip
+
+    def reads_all(self, layer_idx: int, several: bool) -> bool:
+        """Whether this forward of layer `layer_idx` reads every page (`several`: it feeds several tokens)."""
+        return (several and self.dense_chunks) or layer_idx < self.dense_layers
+
+
 def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
     """(B, Hkv, P) bool: the pages each KV head of `layer` reads at this step; None when it reads them all
-    (no retrieval, several tokens fed at once with `read_chunks="dense"`, or a layer below `dense_layers`).
-    Counts the step's bytes read (and, with `monitor_retrieval`, records the choice)."""
+    (no retrieval, or the cache's `ReadRule` says so). Counts the step's bytes read (and, with
+    `monitor_retrieval`, records the choice)."""
     owner, store, tel = layer.owner, layer.store, layer.telemetry
     several = query.shape[2] > 1  # a later turn fed at once
-    chunk = several and owner.config.read_chunks == "dense"  # read every page
-    dense_layer = layer.layer_idx < owner.config.dense_layers
-    if owner.retrieval is None or not layer.summaries or chunk or dense_layer:
+    rule: ReadRule | None = owner.read_rule
+    if rule is None or not layer.summaries or rule.reads_all(layer.layer_idx, several):
         tel.count_read(store, None, None, tel.read_t.new_zeros(2), several=several)
-        owner.counters["dense_chunk_reads"] += int(chunk and not dense_layer)
+        dense_chunk = rule is not None and several and rule.dense_chunks
+        owner.counters["dense_chunk_reads"] += int(dense_chunk and layer.layer_idx >= rule.dense_layers)
         return None
     ctx = decode_context(layer, query, scaling)
     cand, P_s = ctx.candidates, ctx.candidates.shape[-1]
@@ -43,10 +77,10 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
     B, H, P = store.page_len.shape
     rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
     always = torch.cat([~cand, rest], -1) & (store.page_len > 0)
-    budget: float | BytesBudget | SharedHeads = owner.read_fraction(layer.layer_idx)  # read_layer_budget's
-    if owner.config.read_bytes_budget is not None:
+    budget: float | BytesBudget | SharedHeads = rule.fractions[layer.layer_idx]
+    if rule.of_bytes:
         budget = bytes_budget(layer, cand, always, summary.sum(-1), budget)
-    if owner.config.read_head_budget == "shared":
+    if rule.shared_heads:
         budget = SharedHeads(budget)
     monitor = owner.monitor
     t0 = monitor.clock(query.device) if monitor is not None else 0.0

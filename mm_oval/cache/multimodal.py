@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache
 
-from ..allocation import check_policy, layer_fractions, read_layer_weights
+from ..allocation import check_policy
 from ..config import OvalConfig
 from ..core import RequestState, Rope, StepState
 from ..errors import ConfigError
 from ..geometry import Geometry
 from ..telemetry import RetrievalMonitor
-from .decode import MaskedDecode, choose_backend
+from .decode import MaskedDecode, ReadRule, choose_backend
 from .layer import PagedLayer
 from .request import RequestInfo, request_info
 
@@ -62,18 +62,17 @@ class PagedMultimodalCache(Cache):
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
         # retrieval against exact attention, per decode step and layer (stats' retrieval_monitor)
         self.monitor = RetrievalMonitor() if config.monitor_retrieval else None
-        # the read budget of each layer (read_layer_budget); None: every layer reads within the config's
-        weights = read_layer_weights(config.read_layer_budget, n_layers) if retrieval is not None else None
-        fraction = config.read_bytes_budget if config.read_bytes_budget is not None else config.read_budget
-        self._read_fractions = None if weights is None else layer_fractions(weights, fraction)
+        self._read_rule: ReadRule | None = None  # built at the first read (read_rule)
 
-    def read_fraction(self, layer_idx: int) -> float:
-        """The read budget of layer `layer_idx` (`read_bytes_budget` when set, else `read_budget`), after
-        `read_layer_budget`'s division over the layers."""
-        if self._read_fractions is not None:
-            return self._read_fractions[layer_idx]
-        c = self.config
-        return c.read_bytes_budget if c.read_bytes_budget is not None else c.read_budget
+    @property
+    def read_rule(self) -> ReadRule | None:
+        """How the layers read after the prefill (`decode.ReadRule`, from the configuration); None without a
+        retrieval policy (every page is read)."""
+        if self.retrieval is None:
+            return None
+        if self._read_rule is None:
+            self._read_rule = ReadRule.of(self.config, len(self.layers))
+        return self._read_rule
 
     def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least `numel` entries, shared by the layers' decode steps (one layer at a
