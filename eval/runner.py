@@ -253,10 +253,6 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
     full = sum(r.get("kv_bytes_full") or 0 for r in rows)
     kept = sum(r.get("kv_bytes_kept") or 0 for r in rows)
 
-    def mean(key: str) -> float | None:
-        vals = [r[key] for r in rows if r.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
-
     out = {
         k: rows[0].get(k)
         for k in ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget")
@@ -267,8 +263,8 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
             "kv_bytes_full": int(full),
             "kv_bytes_kept": int(kept),
             "kv_fraction_kept": kept / full if full else None,
-            "image_kv_fraction_kept": mean("image_kv_fraction_kept"),
-            "page_read_fraction": mean("page_read_fraction"),
+            "image_kv_fraction_kept": _mean_of(rows, "image_kv_fraction_kept"),
+            "page_read_fraction": _mean_of(rows, "page_read_fraction"),
             "decode_steps": sum(r.get("decode_steps") or 0 for r in rows),
         }
     )
@@ -288,7 +284,23 @@ def summarize_kv(rows: list[dict]) -> dict[str, Any]:
             read1 = read - sum(ch["read"] for ch in chunks)
             dense1 = dense - sum(ch["dense"] for ch in chunks)
             out["one_token_read_vs_dense"] = read1 / dense1 if dense1 else None
+    # with monitor_retrieval: the selection against exact attention, the mean over the requests measured
+    mons = [r["retrieval_monitor"] for r in rows if isinstance(r.get("retrieval_monitor"), dict)]
+    if mons:
+        per_layer = [m.get("layer_attention_mass_recall") or [] for m in mons]
+        layers = max(len(p) for p in per_layer)
+        by_layer = [[p[i] for p in per_layer if i < len(p) and p[i] is not None] for i in range(layers)]
+        out["retrieval_monitor"] = {
+            "requests": len(mons),
+            **{k: _mean_of(mons, k) for k in ("hit_rate", "attention_mass_recall", "page_utilisation")},
+            "layer_attention_mass_recall": [sum(v) / len(v) if v else None for v in by_layer],
+        }
     return out
+
+
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 # ---------------------------------------------------------------- generation

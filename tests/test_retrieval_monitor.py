@@ -205,3 +205,25 @@ def test_the_knob_is_checked_with_a_message():
     with pytest.raises(ConfigError, match="monitor_retrieval=True set without a retrieval method"):
         OvalConfig(monitor_retrieval=True)
     assert OvalConfig.from_spec("quest:monitor_retrieval=true", 0.25).monitor_retrieval is True
+
+
+def test_a_runs_summary_gives_the_monitors_figures_per_layer_as_the_mean_over_its_requests():
+    """With `monitor_retrieval`, the run summary (what `mm-oval eval` writes) carries the selection measured
+    against exact attention: the mean over the requests measured of each figure and of each layer's recall
+    (a layer never measured in a request is left out of that layer's mean); runs without it have none."""
+    from mm_oval.eval.runner import summarize_kv
+
+    base = {"kv_bytes_full": 10, "kv_bytes_kept": 10}
+    rows = [
+        {**base, "retrieval_monitor": {"hit_rate": 0.5, "attention_mass_recall": 0.8, "page_utilisation": 1.0,
+                                       "layer_attention_mass_recall": [None, 0.6, 1.0]}},
+        {**base, "retrieval_monitor": {"hit_rate": 0.7, "attention_mass_recall": 0.6, "page_utilisation": 0.5,
+                                       "layer_attention_mass_recall": [None, 0.4, 0.8]}},
+        base,  # a request that read no page by retrieval
+    ]  # fmt: skip
+    m = summarize_kv(rows)["retrieval_monitor"]
+    assert m["requests"] == 2
+    assert m["hit_rate"] == pytest.approx(0.6) and m["attention_mass_recall"] == pytest.approx(0.7)
+    assert m["page_utilisation"] == pytest.approx(0.75)
+    assert m["layer_attention_mass_recall"] == [None, pytest.approx(0.5), pytest.approx(0.9)]
+    assert "retrieval_monitor" not in summarize_kv([base, base])
