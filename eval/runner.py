@@ -474,7 +474,7 @@ _NESTED = ("weights", "files", "resolved", "method_options", "retrieval_options"
 # knobs added to OvalConfig after runs were recorded, with the default that does what every run did before
 # them: a run.json whose resolved method lacks one ran at that default, so it still resumes
 _ADDED_KNOBS = {"read_head_budget": "uniform", "read_chunks": "retrieval", "dense_layers": 0,
-                "read_layer_budget": "uniform"}  # fmt: skip
+                "read_layer_budget": "uniform", "unread_pages": "skip"}  # fmt: skip
 
 
 def _differences(old: dict, new: dict, keys: Iterable[str], prefix: str = "") -> list[str]:

@@ -7,7 +7,7 @@ Two kinds of knobs, kept apart:
   or `read_bytes_budget` (the fraction of dense attention's bytes), `read_scope` (which pages are candidates),
   `read_head_budget`, `read_chunks` (whether a forward of several tokens also reads by retrieval),
   `dense_layers` (the first layers read every page), `read_layer_budget` (how the read bytes are divided
-  over the layers).
+  over the layers), `unread_pages` (whether the pages not read enter the attention as their means).
 A knob of one kind that the configuration cannot use is refused (a budget with method "full" keeps
 everything; a read budget without a retrieval method reads everything), never silently ignored.
 `scope` and `retrieval_scope`, the former names of the two scopes, are refused with the new names.
@@ -39,6 +39,9 @@ HEAD_BUDGETS = ("uniform", "shared")
 # compressed context) reads the cache: "retrieval" (every token fed reads by the retrieval policy, within the
 # read budget) or "dense" (every page, as Quest's evaluation code does: retrieval at q_len == 1 only)
 READ_CHUNKS = ("retrieval", "dense")
+# what a decode step does with the candidate pages it does not read: "skip" (left out of its attention) or
+# "centroid" (each enters as one token: its keys' mean, weighted by its token count, and its values' mean)
+UNREAD_PAGES = ("skip", "centroid")
 # 4x4 tiles: 16-token image pages, the page size Quest's and LOCKS's authors use, and the smallest at which every
 # page summary is at most 15% of the KV it indexes (Quest's float bounds 6.25%, compact LOCKS/OVAL rank 8 9.6%;
 # on 2x2 tiles they are 25% and 34%). On LLaVA-1.5's 24x24 grid that is 36 pages per image.
@@ -97,6 +100,10 @@ class OvalConfig:
     # fitted for one model: layer l reads within weight_l x the budget (capped at every page), the weights
     # averaging 1 so the total is kept (mm_oval.allocation.read_layer_weights)
     read_layer_budget: str = "uniform"
+    # "skip": a decode step attends over the pages it reads only; "centroid": each candidate page it does not
+    # read enters the step's attention as one token, its keys' mean with the weight of its token count and its
+    # values' mean (both kept per page when it closes and read at each step: counted with the summaries)
+    unread_pages: str = "skip"
     # each decode step also computes exact attention to measure the retrieval (stats' retrieval_monitor)
     monitor_retrieval: bool = False
     image_tile: int = DEFAULT_IMAGE_TILE
@@ -153,6 +160,11 @@ class OvalConfig:
             raise ConfigError(
                 f"read_layer_budget must be 'uniform' or a JSON file of fitted per-layer weights, "
                 f"got {self.read_layer_budget!r}"
+            )
+        if self.unread_pages not in UNREAD_PAGES:
+            raise ConfigError(
+                f"unread_pages={self.unread_pages!r} is not one of {UNREAD_PAGES}: 'centroid' adds each unread "
+                "page to a decode step's attention as its keys' and values' means, 'skip' leaves it out"
             )
         if not isinstance(self.monitor_retrieval, bool):
             raise ConfigError(f"monitor_retrieval must be True or False, got {self.monitor_retrieval!r}")
@@ -302,6 +314,7 @@ class OvalConfig:
                     ("read_chunks", "retrieval"),
                     ("dense_layers", 0),
                     ("read_layer_budget", "uniform"),
+                    ("unread_pages", "skip"),
                     ("page_sizing", "fixed"),
                     ("monitor_retrieval", False),
                 )

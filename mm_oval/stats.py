@@ -41,7 +41,9 @@ dtypes, real tokens only (never padding):
   every page; counted in the totals above as dense reads); `dense_chunk_reads`: the (layer, forward) reads of
   several tokens that read every page so;
 - `dense_layers`: how many of the first layers read every page at every step (counted as dense reads);
-- `read_layer_budget`: "uniform" (every layer within the same read budget) or the per-layer division used.
+- `read_layer_budget`: "uniform" (every layer within the same read budget) or the per-layer division used;
+- `unread_pages`: "skip" (a step attends over the pages it reads) or "centroid" (the candidate pages it does
+  not read enter as their keys' and values' means; those means count in `bytes_read["summaries"]`).
 
 With `monitor_retrieval` (`RetrievalMonitor`), `retrieval_monitor` measures each layer's page selection at
 each decode step against exact attention of the step's newest token over the resident slots, pooled over
@@ -90,7 +92,7 @@ def get_stats(model: Any) -> dict[str, Any]:
 
 # ---- Prometheus text format -------------------------------------------------------------------------------
 _CONFIG_KEYS = ("method", "budget", "text_budget", "eviction_scope", "retrieval", "read_budget", "read_scope",
-                "read_bytes_budget", "read_head_budget", "read_chunks", "dense_layers", "read_layer_budget")  # fmt: skip
+                "read_bytes_budget", "read_head_budget", "read_chunks", "dense_layers", "read_layer_budget", "unread_pages")  # fmt: skip
 _BYTES_PARTS = ("summaries", "selected", "always_read", "read", "dense")
 
 

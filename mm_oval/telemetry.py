@@ -51,9 +51,9 @@ def allocated_bytes(cache: Any) -> dict[str, int]:
     for layer in layers:  # first: a view of the KV storage elsewhere is still KV
         c.add("kv", [getattr(layer, name, None) for name in _KV_ATTRS])
     for layer in layers:
-        c.add("summaries", getattr(layer, "summaries", None))
+        c.add("summaries", [getattr(layer, "summaries", None), getattr(layer, "page_means", None)])
     for layer in layers:
-        skip = ("owner", "module", "summaries", *_KV_ATTRS)
+        skip = ("owner", "module", "summaries", "page_means", *_KV_ATTRS)
         c.add("metadata", {k: v for k, v in vars(layer).items() if k not in skip})
     skip = ("layers", "config", "eviction", "retrieval", "request", "step")
     c.add("metadata", {k: v for k, v in vars(cache).items() if k not in skip})
@@ -143,6 +143,7 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     out["read_chunks"] = cache.config.read_chunks
     out["dense_layers"] = cache.config.dense_layers
     out["read_layer_budget"] = cache.config.read_layer_budget
+    out["unread_pages"] = cache.config.unread_pages
     out["dense_chunk_reads"] = int(cache.counters["dense_chunk_reads"])
     out["bytes_read"] = bytes_read(cache)
     monitor = getattr(cache, "monitor", None)

@@ -518,3 +518,61 @@ def test_read_layer_budget_divides_the_bytes_over_the_layers_and_keeps_the_total
     assert not mm_oval.is_wrapped(tiny_lm)
     with pytest.raises(ConfigError, match="read_layer_budget='d.json' set without a retrieval method"):
         OvalConfig(read_layer_budget="d.json")
+
+
+def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_their_bytes(tiny_lm):
+    """`unread_pages="centroid"`: a decode step attends over the pages it reads plus one token per unread
+    candidate page (its keys' mean, weighted by its token count, and its values' mean). Where every page's
+    keys and values are constant over its tokens that estimate is exact: the step's output is dense
+    attention's over every slot, though it reads a quarter of the pages; without it, it is not. The means are
+    read as part of the summaries: two vectors of head_dim per candidate page and step."""
+    from mm_oval.wrapper import prefill
+
+    ids = torch.randint(1, 300, (1, 300), generator=torch.Generator().manual_seed(0))
+    mm_oval.wrap(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages="centroid")
+    try:
+        cache = prefill(tiny_lm, input_ids=ids)
+        layer = cache.layers[0]
+        st = layer.store
+        B, H, L, D = st.keys.shape
+        g = torch.Generator().manual_seed(1)
+        kp, vp = (
+            torch.randn(B, H, st.page_len.shape[-1], D, generator=g),
+            torch.randn(B, H, st.page_len.shape[-1], D, generator=g),
+        )
+        idx = st.slot_page.clamp(min=0).unsqueeze(-1).expand(B, H, L, D)
+        st.keys.copy_(kp.gather(2, idx))
+        st.values.copy_(vp.gather(2, idx))
+        P_s = layer.page_means["k"].shape[2]
+        layer.page_means = {"k": kp[:, :, :P_s].clone(), "v": vp[:, :, :P_s].clone()}
+        Hq, scaling = tiny_lm.config.num_attention_heads, D**-0.5
+        query = torch.randn(B, Hq, 1, D, generator=g)
+        out = layer.attend(query, scaling)[:, 0]  # (B, Hq, D)
+        pages = layer.read_pages(query, scaling)
+        skipped = cache.decode_backend(query).attend(layer, query, pages, scaling)[:, 0]
+    finally:
+        mm_oval.unwrap(tiny_lm)
+    cand = (st.page_len[..., :P_s] > 0) & ~st.page_pinned[..., :P_s]
+    assert 0 < int((pages[..., :P_s] & cand).sum()) < int(cand.sum())  # some candidate pages unread
+    qg = query[:, :, 0].reshape(B, H, Hq // H, D)
+    logits = torch.einsum("bhgd,bhld->bhgl", qg, st.keys) * scaling
+    logits = logits.masked_fill(~st.slot_valid.unsqueeze(2), float("-inf"))
+    dense = torch.einsum("bhgl,bhld->bhgd", logits.softmax(-1), st.values).reshape(B, Hq, D)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(skipped, dense, rtol=1e-2, atol=1e-2)
+    summaries, candidates = {}, {}
+    for unread in ("skip", "centroid"):
+        with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages=unread):
+            cache = new_cache(tiny_lm)
+            tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache=cache)
+            s = get_stats(tiny_lm)
+        assert s["unread_pages"] == unread
+        summaries[unread] = s["bytes_read"]["total"]["summaries"]
+        candidates[unread] = int(cache.counters["candidate_pages"])
+    assert candidates["skip"] == candidates["centroid"] > 0
+    per_page = 2 * D * 4  # fp32 key and value means
+    assert summaries["centroid"] - summaries["skip"] == candidates["centroid"] * per_page
+    with pytest.raises(ConfigError, match="unread_pages='mean' is not one of"):
+        OvalConfig(retrieval="oval", unread_pages="mean")
+    with pytest.raises(ConfigError, match="unread_pages='centroid' set without a retrieval method"):
+        OvalConfig(unread_pages="centroid")

@@ -50,7 +50,8 @@ def test_a_retrieval_requests_figures_are_exported_with_the_callers_labels(tiny_
     assert value("mm_oval_page_read_fraction") == pytest.approx(stats["page_read_fraction"])
     info = value("mm_oval_config_info", method="snapkv", budget="0.25", retrieval="quest", read_budget="0.25",
                  text_budget="1.0", eviction_scope="image", read_scope="image", read_bytes_budget="None",
-                 read_head_budget="uniform", read_chunks="retrieval", dense_layers="0", read_layer_budget="uniform")  # fmt: skip
+                 read_head_budget="uniform", read_chunks="retrieval", dense_layers="0", read_layer_budget="uniform",
+                 unread_pages="skip")  # fmt: skip
     assert info == 1.0
 
 

@@ -37,13 +37,16 @@ class ReadRule:
     - `fractions`: each layer's read budget, a fraction of its candidate pages or, with `of_bytes`, of dense
       attention's bytes (`read_budget` / `read_bytes_budget`, divided over the layers by
       `read_layer_budget`);
-    - `shared_heads`: a layer's KV heads read within the sum of their budgets (`read_head_budget`)."""
+    - `shared_heads`: a layer's KV heads read within the sum of their budgets (`read_head_budget`);
+    - `page_means`: each candidate page's keys' and values' means are read too, the unread pages entering the
+      attention through them (`unread_pages="centroid"`, `add_unread_pages`)."""
 
     dense_chunks: bool
     dense_layers: int
     fractions: tuple[float, ...]
     of_bytes: bool
     shared_heads: bool
+    page_means: bool = False
 
     @classmethod
     def of(cls, config: Any, num_layers: int) -> ReadRule:
@@ -52,7 +55,7 @@ class ReadRule:
         weights = read_layer_weights(config.read_layer_budget, num_layers)
         fractions = (fraction,) * num_layers if weights is None else layer_fractions(weights, fraction)
         return cls(config.read_chunks == "dense", config.dense_layers, fractions, of_bytes,
-                   config.read_head_budget == "shared")  # fmt: skip
+                   config.read_head_budget == "shared", config.unread_pages == "centroid")  # fmt: skip
 
     def reads_all(self, layer_idx: int, several: bool) -> bool:
         """Whether this forward of layer `layer_idx` reads every page (`several`: it feeds several tokens)."""
@@ -73,7 +76,10 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
         return None
     ctx = decode_context(layer, query, scaling)
     cand, P_s = ctx.candidates, ctx.candidates.shape[-1]
-    summary = torch.where(cand, owner.retrieval.summary_bytes(layer.summaries, ctx.page_len), 0)  # scanned
+    summary = owner.retrieval.summary_bytes(layer.summaries, ctx.page_len)
+    if rule.page_means:  # a key mean and a value mean per page
+        summary = summary + 2 * store.keys.shape[-1] * store.keys.element_size()
+    summary = torch.where(cand, summary, 0)  # scanned
     B, H, P = store.page_len.shape
     rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
     always = torch.cat([~cand, rest], -1) & (store.page_len > 0)
@@ -97,6 +103,33 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
         monitor.record(layer.layer_idx, owner.timings["decode_steps"], seconds, query[:, :, -1], store.keys,
                        store.slot_valid, store.slot_page, scaling, cand, picked, chosen | always)  # fmt: skip
     return chosen | always
+
+
+def add_unread_pages(
+    layer: Any, query: torch.Tensor, pages: torch.Tensor, scaling: float, out: torch.Tensor
+) -> torch.Tensor:
+    """`unread_pages="centroid"`: the step's output `out` (B, 1, Hq, D), exact attention over the pages read
+    (`pages` (B, Hkv, P) bool), with each candidate page not read added as one token: its keys' mean k_p as
+    the key, log n_p added to its logit (n_p its tokens: the page's mass if its keys were all k_p), its values'
+    mean as the value. The two parts are combined by their log-sum-exps (the pages read: recomputed over
+    their slots). A page whose keys are all equal enters exactly; elsewhere it is the centroid estimate."""
+    store, means = layer.store, layer.page_means
+    B, Hq, _, D = query.shape
+    H, P_s = means["k"].shape[1], means["k"].shape[2]
+    G = Hq // H
+    unread = decode_context(layer, query, scaling).candidates & ~pages[..., :P_s]
+    q = query[:, :, -1].float().reshape(B, H, G, D)  # a KV head's query heads together
+    slots = store.slot_valid & pages.gather(-1, store.slot_page.clamp(min=0))
+    logits = torch.einsum("bhgd,bhld->bhgl", q, store.keys.float()) * scaling
+    lse_read = logits.masked_fill(~slots.unsqueeze(2), float("-inf")).logsumexp(-1)  # (B, H, G)
+    n = store.page_len[..., :P_s].float().clamp(min=1).log()
+    page_logits = torch.einsum("bhgd,bhpd->bhgp", q, means["k"].float()) * scaling + n.unsqueeze(2)
+    page_logits = page_logits.masked_fill(~unread.unsqueeze(2), float("-inf"))
+    lse_unread = page_logits.logsumexp(-1)  # -inf where every candidate was read
+    weights = torch.softmax(page_logits, -1).nan_to_num(0.0)
+    o_unread = torch.einsum("bhgp,bhpd->bhgd", weights, means["v"].float()).reshape(B, 1, Hq, D)
+    share = torch.sigmoid(lse_unread - lse_read).nan_to_num(0.0).reshape(B, 1, Hq, 1)
+    return (out.float() * (1 - share) + o_unread * share).to(out.dtype)
 
 
 def decode_context(layer: Any, query: torch.Tensor, scaling: float) -> DecodeContext:

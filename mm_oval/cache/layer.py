@@ -50,6 +50,8 @@ class PagedLayer(CacheLayerMixin):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
+        # each closed page's keys' and values' means ("k", "v"), with unread_pages="centroid" (summaries.py)
+        self.page_means: dict[str, torch.Tensor] = {}
         self.phase = "empty"  # empty -> prefill (full prompt stored) -> decode (compressed + appended)
         self.logical_len = 0
 
@@ -110,6 +112,7 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.store = self.telemetry = None
+        self.page_means = {}
         self.phase = "empty"
         self.logical_len = 0
         self.is_initialized = False
@@ -152,7 +155,10 @@ class PagedLayer(CacheLayerMixin):
         """Exact attention of `query` (B, Hq, Q, D) over the slots read; returns (B, Q, Hq, D), by the
         request's decode backend (`decode.choose_backend`)."""
         pages = self.read_pages(query, scaling)  # (B, H, P) bool or None (every page)
-        return self.owner.decode_backend(query).attend(self, query, pages, scaling)
+        out = self.owner.decode_backend(query).attend(self, query, pages, scaling)
+        if pages is not None and self.page_means:  # unread_pages="centroid"
+            out = decode.add_unread_pages(self, query, pages, scaling, out)
+        return out
 
 
 def _store_view(name: str) -> property:

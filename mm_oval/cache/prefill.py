@@ -54,6 +54,7 @@ def compress(layer: Any, keep: torch.Tensor, valid: torch.Tensor, module: Any) -
     layer.keys = layer.values = None  # the prompt's: the storage's views from now on
     layer.module = module
     layer.summaries = {}
+    layer.page_means = {}
     if owner.retrieval is not None:
         layer._summarize(0, layer.store.prompt_pages)  # summaries.summarize
     layer.phase = "decode"

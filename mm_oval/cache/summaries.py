@@ -49,9 +49,13 @@ def summarize(layer: Any, first: int, stop: int) -> None:
     step = summary_chunk(layer, T)
     new: dict[str, torch.Tensor] = {}
     slot_src = layer.slot_src
+    means = layer.owner.config.unread_pages == "centroid"
     for a in range(first, stop, step):
         b = min(stop, a + step)
-        part = layer.owner.retrieval.summarize(_page_batch(layer, a, b, T, slot_src))
+        batch = _page_batch(layer, a, b, T, slot_src)
+        part = layer.owner.retrieval.summarize(batch)
+        if means:
+            _append_means(layer, batch)
         if step >= stop - first:
             new = part
             break
@@ -62,6 +66,17 @@ def summarize(layer: Any, first: int, stop: int) -> None:
     for name, t in new.items():
         old = layer.summaries.get(name)
         layer.summaries[name] = t if old is None else torch.cat([old, t], dim=2)
+
+
+def _append_means(layer: Any, batch: PageBatch) -> None:
+    """Each page's keys' and values' means (in the keys' dtype), appended to `layer.page_means` ("k", "v":
+    (B, Hkv, P, D)): what `unread_pages="centroid"` reads of a page a step does not read."""
+    m = batch.mask.unsqueeze(-1).to(batch.keys.dtype)
+    n = m.sum(-2).clamp(min=1)
+    for name, x in (("k", batch.keys), ("v", batch.values)):
+        mean = (x * m).sum(-2) / n
+        old = layer.page_means.get(name)
+        layer.page_means[name] = mean if old is None else torch.cat([old, mean], dim=2)
 
 
 def _page_batch(layer: Any, a: int, b: int, T: int, slot_src: torch.Tensor) -> PageBatch:
