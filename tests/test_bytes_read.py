@@ -525,7 +525,9 @@ def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_the
     candidate page (its keys' mean, weighted by its token count, and its values' mean). Where every page's
     keys and values are constant over its tokens that estimate is exact: the step's output is dense
     attention's over every slot, though it reads a quarter of the pages; without it, it is not. The means are
-    read as part of the summaries: two vectors of head_dim per candidate page and step."""
+    read as part of the summaries: two int8 vectors of head_dim and their fp16 scales per candidate page and
+    step."""
+    from mm_oval.cache.summaries import page_mean
     from mm_oval.wrapper import prefill
 
     ids = torch.randint(1, 300, (1, 300), generator=torch.Generator().manual_seed(0))
@@ -535,16 +537,31 @@ def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_the
         layer = cache.layers[0]
         st = layer.store
         B, H, L, D = st.keys.shape
-        g = torch.Generator().manual_seed(1)
-        kp, vp = (
-            torch.randn(B, H, st.page_len.shape[-1], D, generator=g),
-            torch.randn(B, H, st.page_len.shape[-1], D, generator=g),
+        P = st.page_len.shape[-1]
+        # the means kept at prefill: each closed page's keys' and values' means, to int8 rounding
+        P_s = layer.page_means["k"].shape[2]
+        member = torch.nn.functional.one_hot(st.slot_page.clamp(min=0), P).float() * st.slot_valid.unsqueeze(
+            -1
         )
+        count = member.sum(2).clamp(min=1).unsqueeze(-1)[:, :, :P_s]
+        for name, x in (("k", st.keys), ("v", st.values)):
+            true = torch.einsum("bhlp,bhld->bhpd", member, x)[:, :, :P_s] / count
+            torch.testing.assert_close(
+                page_mean(layer, name), true, rtol=0, atol=float(true.abs().max()) / 127
+            )
+        g = torch.Generator().manual_seed(1)
+        # page-constant keys and values on the int8 grid the means are stored on (scale 2^-6, one entry 127)
+        ints = [torch.randint(-127, 128, (B, H, P, D), generator=g) for _ in range(2)]
+        for t in ints:
+            t[..., 0] = 127
+        kp, vp = (t.float() * 2**-6 for t in ints)
         idx = st.slot_page.clamp(min=0).unsqueeze(-1).expand(B, H, L, D)
         st.keys.copy_(kp.gather(2, idx))
         st.values.copy_(vp.gather(2, idx))
         P_s = layer.page_means["k"].shape[2]
-        layer.page_means = {"k": kp[:, :, :P_s].clone(), "v": vp[:, :, :P_s].clone()}
+        scale = torch.full((B, H, P_s), 2**-6, dtype=torch.float16)
+        layer.page_means = {"k": ints[0][:, :, :P_s].to(torch.int8), "k_scale": scale,
+                            "v": ints[1][:, :, :P_s].to(torch.int8), "v_scale": scale.clone()}  # fmt: skip
         Hq, scaling = tiny_lm.config.num_attention_heads, D**-0.5
         query = torch.randn(B, Hq, 1, D, generator=g)
         out = layer.attend(query, scaling)[:, 0]  # (B, Hq, D)
@@ -570,7 +587,7 @@ def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_the
         summaries[unread] = s["bytes_read"]["total"]["summaries"]
         candidates[unread] = int(cache.counters["candidate_pages"])
     assert candidates["skip"] == candidates["centroid"] > 0
-    per_page = 2 * D * 4  # fp32 key and value means
+    per_page = 2 * (D + 2)  # int8 key and value means, an fp16 scale each
     assert summaries["centroid"] - summaries["skip"] == candidates["centroid"] * per_page
     with pytest.raises(ConfigError, match="unread_pages='mean' is not one of"):
         OvalConfig(retrieval="oval", unread_pages="mean")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..allocation import layer_fractions, read_layer_weights
 from ..core import IMAGE, BytesBudget, DecodeContext, SharedHeads
+from .summaries import page_mean, page_means_bytes
 from .telemetry import kv_bytes_per_token, page_kv_bytes
 
 # off the kernel path, a decode step attends over the pages it reads gathered (GatheredDecode) rather than
@@ -78,7 +79,7 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
     cand, P_s = ctx.candidates, ctx.candidates.shape[-1]
     summary = owner.retrieval.summary_bytes(layer.summaries, ctx.page_len)
     if rule.page_means:  # a key mean and a value mean per page
-        summary = summary + 2 * store.keys.shape[-1] * store.keys.element_size()
+        summary = summary + page_means_bytes(store.keys.shape[-1])
     summary = torch.where(cand, summary, 0)  # scanned
     B, H, P = store.page_len.shape
     rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
@@ -111,11 +112,13 @@ def add_unread_pages(
     """`unread_pages="centroid"`: the step's output `out` (B, 1, Hq, D), exact attention over the pages read
     (`pages` (B, Hkv, P) bool), with each candidate page not read added as one token: its keys' mean k_p as
     the key, log n_p added to its logit (n_p its tokens: the page's mass if its keys were all k_p), its values'
-    mean as the value. The two parts are combined by their log-sum-exps (the pages read: recomputed over
-    their slots). A page whose keys are all equal enters exactly; elsewhere it is the centroid estimate."""
-    store, means = layer.store, layer.page_means
+    mean as the value (both stored as int8, `summaries.page_mean`). The two parts are combined by their
+    log-sum-exps (the pages read: recomputed over their slots). A page whose keys and values are all equal
+    enters exactly (up to the int8 rounding of its means); elsewhere it is the centroid estimate."""
+    store = layer.store
+    k_mean, v_mean = page_mean(layer, "k"), page_mean(layer, "v")
     B, Hq, _, D = query.shape
-    H, P_s = means["k"].shape[1], means["k"].shape[2]
+    H, P_s = k_mean.shape[1], k_mean.shape[2]
     G = Hq // H
     unread = decode_context(layer, query, scaling).candidates & ~pages[..., :P_s]
     q = query[:, :, -1].float().reshape(B, H, G, D)  # a KV head's query heads together
@@ -123,11 +126,11 @@ def add_unread_pages(
     logits = torch.einsum("bhgd,bhld->bhgl", q, store.keys.float()) * scaling
     lse_read = logits.masked_fill(~slots.unsqueeze(2), float("-inf")).logsumexp(-1)  # (B, H, G)
     n = store.page_len[..., :P_s].float().clamp(min=1).log()
-    page_logits = torch.einsum("bhgd,bhpd->bhgp", q, means["k"].float()) * scaling + n.unsqueeze(2)
+    page_logits = torch.einsum("bhgd,bhpd->bhgp", q, k_mean) * scaling + n.unsqueeze(2)
     page_logits = page_logits.masked_fill(~unread.unsqueeze(2), float("-inf"))
     lse_unread = page_logits.logsumexp(-1)  # -inf where every candidate was read
     weights = torch.softmax(page_logits, -1).nan_to_num(0.0)
-    o_unread = torch.einsum("bhgp,bhpd->bhgd", weights, means["v"].float()).reshape(B, 1, Hq, D)
+    o_unread = torch.einsum("bhgp,bhpd->bhgd", weights, v_mean).reshape(B, 1, Hq, D)
     share = torch.sigmoid(lse_unread - lse_read).nan_to_num(0.0).reshape(B, 1, Hq, 1)
     return (out.float() * (1 - share) + o_unread * share).to(out.dtype)
 

@@ -69,14 +69,28 @@ def summarize(layer: Any, first: int, stop: int) -> None:
 
 
 def _append_means(layer: Any, batch: PageBatch) -> None:
-    """Each page's keys' and values' means (in the keys' dtype), appended to `layer.page_means` ("k", "v":
-    (B, Hkv, P, D)): what `unread_pages="centroid"` reads of a page a step does not read."""
-    m = batch.mask.unsqueeze(-1).to(batch.keys.dtype)
+    """Each page's keys' and values' means, appended to `layer.page_means`: what `unread_pages="centroid"`
+    reads of a page a step does not read. Stored compact, as int8 with one fp16 scale per page and KV head
+    (the absolute maximum over 127): "k", "v" (B, Hkv, P, D) int8, "k_scale", "v_scale" (B, Hkv, P) fp16."""
+    m = batch.mask.unsqueeze(-1).float()
     n = m.sum(-2).clamp(min=1)
     for name, x in (("k", batch.keys), ("v", batch.values)):
-        mean = (x * m).sum(-2) / n
-        old = layer.page_means.get(name)
-        layer.page_means[name] = mean if old is None else torch.cat([old, mean], dim=2)
+        mean = (x.float() * m).sum(-2) / n
+        scale = (mean.abs().amax(-1) / 127).clamp(min=1e-8).half()
+        q = (mean / scale.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        for key, t in ((name, q), (f"{name}_scale", scale)):
+            old = layer.page_means.get(key)
+            layer.page_means[key] = t if old is None else torch.cat([old, t], dim=2)
+
+
+def page_mean(layer: Any, name: str) -> torch.Tensor:
+    """(B, Hkv, P, D) fp32: the pages' keys' ("k") or values' ("v") means as `_append_means` stored them."""
+    return layer.page_means[name].float() * layer.page_means[f"{name}_scale"].float().unsqueeze(-1)
+
+
+# bytes a step reads of one page's means (`unread_pages="centroid"`): two int8 vectors and two fp16 scales
+def page_means_bytes(head_dim: int) -> int:
+    return 2 * (head_dim + 2)
 
 
 def _page_batch(layer: Any, a: int, b: int, T: int, slot_src: torch.Tensor) -> PageBatch:
