@@ -109,7 +109,8 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
 def add_unread_pages(
     layer: Any, query: torch.Tensor, pages: torch.Tensor, scaling: float, out: torch.Tensor
 ) -> torch.Tensor:
-    """`unread_pages="centroid"`: the step's output `out` (B, 1, Hq, D), exact attention over the pages read
+    """`unread_pages="centroid"`, at a step feeding one token (a forward of several read by retrieval attends
+    over its pages only): the step's output `out` (B, 1, Hq, D), exact attention over the pages read
     (`pages` (B, Hkv, P) bool), with each candidate page not read added as one token: its keys' mean k_p as
     the key, log n_p added to its logit (n_p its tokens: the page's mass if its keys were all k_p), its values'
     mean as the value (both stored as int8, `summaries.page_mean`). The two parts are combined by their

@@ -156,7 +156,7 @@ class PagedLayer(CacheLayerMixin):
         request's decode backend (`decode.choose_backend`)."""
         pages = self.read_pages(query, scaling)  # (B, H, P) bool or None (every page)
         out = self.owner.decode_backend(query).attend(self, query, pages, scaling)
-        if pages is not None and self.page_means:  # unread_pages="centroid"
+        if pages is not None and self.page_means and query.shape[2] == 1:  # unread_pages="centroid"
             out = decode.add_unread_pages(self, query, pages, scaling, out)
         return out
 
