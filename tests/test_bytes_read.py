@@ -589,6 +589,13 @@ def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_the
     assert candidates["skip"] == candidates["centroid"] > 0
     per_page = 2 * (D + 2)  # int8 key and value means, an fp16 scale each
     assert summaries["centroid"] - summaries["skip"] == candidates["centroid"] * per_page
+    # a later forward of several tokens read by retrieval (no estimate there) and the steps after it
+    with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages="centroid"):
+        cache = prefill(tiny_lm, input_ids=ids[:, :250])
+        seq = tiny_lm.generate(
+            input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, cache=cache
+        )
+    assert seq.shape == (1, 303)
     with pytest.raises(ConfigError, match="unread_pages='mean' is not one of"):
         OvalConfig(retrieval="oval", unread_pages="mean")
     with pytest.raises(ConfigError, match="unread_pages='centroid' set without a retrieval method"):
