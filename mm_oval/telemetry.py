@@ -279,7 +279,8 @@ class RetrievalMonitor:
         """The stats' `retrieval_monitor` block (see `cache_stats`); None before any monitored step."""
         if not self.tally:
             return None
-        hits, selected, recall, n = torch.stack(list(self.tally.values())).sum(0).tolist()
+        rows = torch.stack(list(self.tally.values()))  # (layers, 4)
+        hits, selected, recall, n = rows.sum(0).tolist()
         cand = sum(int(t.sum()) for t in self.ever_candidate.values())
         used = sum(int((r & c).sum()) for r, c in zip(self.ever_read.values(), self.ever_candidate.values()))
         per_call = [s for _, s in self.select_s]
@@ -288,9 +289,7 @@ class RetrievalMonitor:
             per_step[step] = per_step.get(step, 0.0) + sec
         q = lambda xs, p: 1e3 * float(torch.tensor(xs, dtype=torch.float64).quantile(p))  # noqa: E731
         co_sum, co_n = torch.stack(list(self.co_tally.values())).sum(0).tolist()
-        per_layer = {
-            li: t[2] / t[3] for li, t in zip(self.tally, torch.stack(list(self.tally.values())).tolist())
-        }
+        per_layer = {li: t[2] / t[3] for li, t in zip(self.tally, rows.tolist())}
         return {
             "layer_steps": len(per_call),
             "pages_selected": int(selected),

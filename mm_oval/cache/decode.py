@@ -121,7 +121,8 @@ def add_unread_pages(
     B, Hq, _, D = query.shape
     H, P_s = k_mean.shape[1], k_mean.shape[2]
     G = Hq // H
-    unread = decode_context(layer, query, scaling).candidates & ~pages[..., :P_s]
+    # closed pages with tokens that were not read: the candidates left out (every other page is always read)
+    unread = (store.page_len[..., :P_s] > 0) & ~pages[..., :P_s]
     q = query[:, :, -1].float().reshape(B, H, G, D)  # a KV head's query heads together
     slots = store.slot_valid & pages.gather(-1, store.slot_page.clamp(min=0))
     logits = torch.einsum("bhgd,bhld->bhgl", q, store.keys.float()) * scaling
