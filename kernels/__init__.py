@@ -52,6 +52,7 @@ _EXPORTS = {
     "kvp_score": "mm_oval.kernels.kvp",
     "page_score_lowrank": "mm_oval.kernels.lowrank_score",
     "page_score_lowrank_compact": "mm_oval.kernels.lowrank_score",
+    "page_log_mass_lowrank": "mm_oval.kernels.lowrank_score",
     "page_score_quest": "mm_oval.kernels.quest_score",
     "merge_attention": "mm_oval.kernels.sparse_decode",
     "sparse_paged_decode": "mm_oval.kernels.sparse_decode",

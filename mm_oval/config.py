@@ -40,8 +40,9 @@ HEAD_BUDGETS = ("uniform", "shared")
 # read budget) or "dense" (every page, as Quest's evaluation code does: retrieval at q_len == 1 only)
 READ_CHUNKS = ("retrieval", "dense")
 # what a decode step does with the candidate pages it does not read: "skip" (left out of its attention) or
-# "centroid" (each enters as one token: its keys' mean, weighted by its token count, and its values' mean)
-UNREAD_PAGES = ("skip", "centroid")
+# "centroid" (each enters as one token: its keys' mean, weighted by its token count, and its values' mean) or
+# "scored" (the same with the retrieval scorer's estimate of its log attention mass in place of the keys' mean)
+UNREAD_PAGES = ("skip", "centroid", "scored")
 # 4x4 tiles: 16-token image pages, the page size Quest's and LOCKS's authors use, and the smallest at which every
 # page summary is at most 15% of the KV it indexes (Quest's float bounds 6.25%, compact LOCKS/OVAL rank 8 9.6%;
 # on 2x2 tiles they are 25% and 34%). On LLaVA-1.5's 24x24 grid that is 36 pages per image.
@@ -102,7 +103,9 @@ class OvalConfig:
     read_layer_budget: str = "uniform"
     # "skip": a decode step attends over the pages it reads only; "centroid": each candidate page it does not
     # read enters the step's attention as one token, its keys' mean with the weight of its token count and its
-    # values' mean (both kept per page when it closes and read at each step: counted with the summaries)
+    # values' mean (both kept per page when it closes and read at each step: counted with the summaries);
+    # "scored": the same token with the logit the retrieval scorer's summary estimates for the page's log
+    # attention mass (OVAL, LOCKS: its low-rank keys), so only the values' mean is kept and read
     unread_pages: str = "skip"
     # each decode step also computes exact attention to measure the retrieval (stats' retrieval_monitor)
     monitor_retrieval: bool = False
@@ -164,7 +167,8 @@ class OvalConfig:
         if self.unread_pages not in UNREAD_PAGES:
             raise ConfigError(
                 f"unread_pages={self.unread_pages!r} is not one of {UNREAD_PAGES}: 'centroid' adds each unread "
-                "page to a decode step's attention as its keys' and values' means, 'skip' leaves it out"
+                "page to a decode step's attention as its keys' and values' means, 'scored' as the scorer's "
+                "estimate of its attention mass and its values' mean, 'skip' leaves it out"
             )
         if not isinstance(self.monitor_retrieval, bool):
             raise ConfigError(f"monitor_retrieval must be True or False, got {self.monitor_retrieval!r}")

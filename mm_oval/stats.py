@@ -42,8 +42,9 @@ dtypes, real tokens only (never padding):
   several tokens that read every page so;
 - `dense_layers`: how many of the first layers read every page at every step (counted as dense reads);
 - `read_layer_budget`: "uniform" (every layer within the same read budget) or the per-layer division used;
-- `unread_pages`: "skip" (a step attends over the pages it reads) or "centroid" (the candidate pages it does
-  not read enter as their keys' and values' means; those means count in `bytes_read["summaries"]`).
+- `unread_pages`: "skip" (a step attends over the pages it reads), "centroid" (the candidate pages it does
+  not read enter as their keys' and values' means; those means count in `bytes_read["summaries"]`) or
+  "scored" (as their values' means, weighted by the retrieval scorer's estimate of their attention mass).
 
 With `monitor_retrieval` (`RetrievalMonitor`), `retrieval_monitor` measures each layer's page selection at
 each decode step against exact attention of the step's newest token over the resident slots, pooled over

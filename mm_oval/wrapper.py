@@ -389,6 +389,12 @@ def make_policies(
         built.append(retrieval)
     for policy in built:  # learned parts and model-dependent options checked against the model
         getattr(policy, "bind", lambda m: None)(model)
+    if config.unread_pages == "scored" and not getattr(retrieval, "estimates_page_mass", False):
+        raise ConfigError(
+            f"unread_pages='scored' needs a retrieval scorer whose page summaries estimate a page's attention "
+            f"mass (oval, locks, or router2 over one of them); {config.retrieval!r} does not: use "
+            "unread_pages='centroid' (the pages' key means)"
+        )
     check_policy(eviction, config.head_budget)  # head_budget="shared" needs scores comparable across heads
     return eviction, retrieval
 

@@ -600,3 +600,101 @@ def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_the
         OvalConfig(retrieval="oval", unread_pages="mean")
     with pytest.raises(ConfigError, match="unread_pages='centroid' set without a retrieval method"):
         OvalConfig(unread_pages="centroid")
+
+
+def test_unread_pages_scored_weights_each_unread_page_by_the_scorers_mass_estimate(tiny_lm):
+    """`unread_pages="scored"`: each unread candidate page enters a decode step as its values' mean with the
+    log attention mass its retrieval summary estimates. A float LOCKS record of rank 16 spans a 16-token
+    page's centred keys exactly, so with values constant over each page the step's output is dense
+    attention's over every slot, though the keys are the model's own and a quarter of the pages are read
+    (the key-mean estimate of "centroid" is not exact there). Only the values' means are kept and read:
+    head_dim int8 entries and an fp16 scale per candidate page and step. A scorer with no mass estimate
+    (Quest's bounds) is refused at wrap."""
+    from mm_oval.cache.summaries import page_mean
+    from mm_oval.wrapper import prefill
+
+    ids = torch.randint(1, 300, (1, 300), generator=torch.Generator().manual_seed(0))
+    locks = {"rank": 16, "summary_format": "float"}
+    outs = {}
+    for unread in ("scored", "centroid"):
+        mm_oval.wrap(
+            tiny_lm, retrieval="locks", retrieval_options=locks, read_budget=0.25, unread_pages=unread
+        )
+        try:
+            cache = prefill(tiny_lm, input_ids=ids)
+            layer = cache.layers[1]
+            st = layer.store
+            B, H, L, D = st.keys.shape
+            P = st.page_len.shape[-1]
+            P_s = layer.page_means["v"].shape[2]
+            assert sorted(layer.page_means) == (
+                ["v", "v_scale"] if unread == "scored" else ["k", "k_scale", "v", "v_scale"]
+            )
+            g = torch.Generator().manual_seed(1)
+            ints = torch.randint(-127, 128, (B, H, P, D), generator=g)
+            ints[..., 0] = 127  # page-constant values on the int8 grid of the means (scale 2^-6)
+            idx = st.slot_page.clamp(min=0).unsqueeze(-1).expand(B, H, L, D)
+            st.values.copy_((ints.float() * 2**-6).gather(2, idx))
+            layer.page_means["v"] = ints[:, :, :P_s].to(torch.int8)
+            layer.page_means["v_scale"] = torch.full((B, H, P_s), 2**-6, dtype=torch.float16)
+            torch.testing.assert_close(page_mean(layer, "v"), ints[:, :, :P_s].float() * 2**-6)
+            Hq, scaling = tiny_lm.config.num_attention_heads, D**-0.5
+            query = 3 * torch.randn(B, Hq, 1, D, generator=g)  # peaked attention within pages
+            outs[unread] = layer.attend(query, scaling)[:, 0]
+            pages = layer.read_pages(query, scaling)
+        finally:
+            mm_oval.unwrap(tiny_lm)
+        cand = (st.page_len[..., :P_s] > 0) & ~st.page_pinned[..., :P_s]
+        assert 0 < int((pages[..., :P_s] & cand).sum()) < int(cand.sum())
+    qg = query[:, :, 0].reshape(B, H, Hq // H, D)
+    logits = torch.einsum("bhgd,bhld->bhgl", qg, st.keys) * scaling
+    logits = logits.masked_fill(~st.slot_valid.unsqueeze(2), float("-inf"))
+    dense = torch.einsum("bhgl,bhld->bhgd", logits.softmax(-1), st.values).reshape(B, Hq, D)
+    torch.testing.assert_close(outs["scored"], dense, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(outs["centroid"], dense, rtol=1e-2, atol=1e-2)
+    summaries, candidates = {}, {}
+    for unread in ("skip", "scored"):
+        with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages=unread):
+            cache = new_cache(tiny_lm)
+            tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache=cache)
+            s = get_stats(tiny_lm)
+        assert s["unread_pages"] == unread
+        summaries[unread] = s["bytes_read"]["total"]["summaries"]
+        candidates[unread] = int(cache.counters["candidate_pages"])
+    assert candidates["skip"] == candidates["scored"] > 0
+    assert summaries["scored"] - summaries["skip"] == candidates["scored"] * (D + 2)
+    with pytest.raises(ConfigError, match="unread_pages='scored' needs a retrieval scorer"):
+        mm_oval.wrap(tiny_lm, retrieval="quest", read_budget=0.25, unread_pages="scored")
+    assert not mm_oval.is_wrapped(tiny_lm)  # a wrap that fails leaves the model as it was
+
+
+def test_every_decode_backend_returns_the_log_sum_exp_of_the_slots_it_reads(tiny_lm, monkeypatch):
+    """The unread pages' estimate is merged with the exact attention over the pages read by the latter's
+    log-sum-exp, which each decode backend returns with its output (`attend_lse`): the masked attention,
+    the gathered one (pages read gathered) and the sparse decode kernel (its PyTorch twin here) give the
+    output `attend` gives and the log-sum-exp of the step's logits over exactly the slots read."""
+    import mm_oval.cache.decode as decode
+    from mm_oval.wrapper import prefill
+
+    ids = torch.randint(1, 300, (1, 300), generator=torch.Generator().manual_seed(0))
+    with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25):
+        cache = prefill(tiny_lm, input_ids=ids)
+        layer = cache.layers[2]
+        st = layer.store
+        B, H, _, D = st.keys.shape
+        Hq, scaling = tiny_lm.config.num_attention_heads, D**-0.5
+        query = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(1))
+        pages = layer.read_pages(query, scaling)
+        monkeypatch.setattr(decode, "GATHER_SHARE", 1.0)  # gather whatever share is read
+        got = {
+            b.name: b.attend_lse(layer, query, pages, scaling)
+            for b in (decode.MaskedDecode(), decode.GatheredDecode(), decode.KernelDecode())
+        }
+        want_out = decode.MaskedDecode().attend(layer, query, pages, scaling)
+    slots = st.slot_valid & pages.gather(-1, st.slot_page.clamp(min=0))
+    assert 0 < int(slots.sum()) < int(st.slot_valid.sum())
+    logits = torch.einsum("bhgd,bhld->bhgl", query[:, :, 0].reshape(B, H, Hq // H, D), st.keys) * scaling
+    want_lse = logits.masked_fill(~slots.unsqueeze(2), float("-inf")).logsumexp(-1)
+    for name, (out, lse) in got.items():
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=name)

@@ -73,3 +73,21 @@ def page_score_lowrank_compact(
     if backend(q, mu_q) == "triton":
         return page_score_lowrank_compact_triton(q, record, page_len, scale)
     return naive.page_score_lowrank_compact_naive(q, record, page_len, scale)
+
+
+def page_log_mass_lowrank(
+    q: torch.Tensor,
+    summaries: dict[str, torch.Tensor],
+    page_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Per query head, each page's estimated log attention mass (B, Hkv, G, P) fp32, -inf for empty pages:
+    logsumexp over the page's tokens of scale * (q . mu + (B^T q) . c_i), the low-rank score before the GQA
+    combination, from a compact record (`COMPACT_KEYS`) or float summaries ("mu", "basis", "coef"). What
+    `unread_pages="scored"` puts in the place of a page a step does not read. PyTorch on every device (no
+    Triton twin yet: it runs once per layer and step, on the same operands as the page scores)."""
+    if "mu_q" in summaries:
+        return naive.page_raw_lowrank_compact_naive(q, summaries, page_len, scale)
+    return naive.page_raw_lowrank_naive(
+        q, summaries["mu"], summaries["basis"], summaries["coef"], page_len, scale
+    )

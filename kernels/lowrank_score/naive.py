@@ -97,9 +97,18 @@ def page_score_lowrank_compact_naive(
     page_len: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """LOCKS / OVAL page scores of a compact record (record.compact_page_bases),
-    GQA-combined: the scores of the dequantised record (`scoring_operands`) under the float definition
-    above, computed on the stored levels. The basis is unpacked to its nibbles (level + 8) and multiplied
+    """LOCKS / OVAL page scores of a compact record (record.compact_page_bases), GQA-combined."""
+    return combine_gqa(page_raw_lowrank_compact_naive(q, record, page_len, scale))
+
+
+def page_raw_lowrank_compact_naive(
+    q: torch.Tensor,
+    record: dict[str, torch.Tensor],
+    page_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Per-query-head LOCKS / OVAL page scores of a compact record (B, Hkv, G, P): the scores of the
+    dequantised record (`scoring_operands`) under the float definition above, computed on the stored levels. The basis is unpacked to its nibbles (level + 8) and multiplied
     by the query as they are, the + 8 taken off the (P, G, R) product, and the column, coefficient and
     centroid scales multiply the products, never the unpacked basis."""
     mu_q, basis_q, coef_q = record["mu_q"], record["basis_q"], record["coef_q"]
@@ -118,4 +127,4 @@ def page_score_lowrank_compact_naive(
     c = coef_q[:, :, :, : _tokens_read(coef_q, page_len)].float()
     qvc = torch.matmul(c, qv.transpose(-1, -2))  # (B, Hkv, P, T, G)
     qmu = torch.matmul(mu_q.float(), qf.transpose(-1, -2)) * record["mu_scale"].float().unsqueeze(-1)
-    return combine_gqa(_page_logsumexp(qmu, qvc, page_len, scale))
+    return _page_logsumexp(qmu, qvc, page_len, scale)

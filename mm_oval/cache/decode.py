@@ -39,15 +39,17 @@ class ReadRule:
       attention's bytes (`read_budget` / `read_bytes_budget`, divided over the layers by
       `read_layer_budget`);
     - `shared_heads`: a layer's KV heads read within the sum of their budgets (`read_head_budget`);
-    - `page_means`: each candidate page's keys' and values' means are read too, the unread pages entering the
-      attention through them (`unread_pages="centroid"`, `add_unread_pages`)."""
+    - `unread`: what a one-token step does with the candidate pages it does not read (`unread_pages`):
+      "skip"; "centroid": each page's keys' and values' means are read too, each unread page entering the
+      attention as one token of them; "scored": the values' means are read, each unread page entering with
+      the logit the retrieval scorer estimates for its mass (`add_unread_pages`)."""
 
     dense_chunks: bool
     dense_layers: int
     fractions: tuple[float, ...]
     of_bytes: bool
     shared_heads: bool
-    page_means: bool = False
+    unread: str = "skip"
 
     @classmethod
     def of(cls, config: Any, num_layers: int) -> ReadRule:
@@ -56,7 +58,7 @@ class ReadRule:
         weights = read_layer_weights(config.read_layer_budget, num_layers)
         fractions = (fraction,) * num_layers if weights is None else layer_fractions(weights, fraction)
         return cls(config.read_chunks == "dense", config.dense_layers, fractions, of_bytes,
-                   config.read_head_budget == "shared", config.unread_pages == "centroid")  # fmt: skip
+                   config.read_head_budget == "shared", config.unread_pages)  # fmt: skip
 
     def reads_all(self, layer_idx: int, several: bool) -> bool:
         """Whether this forward of layer `layer_idx` reads every page (`several`: it feeds several tokens)."""
@@ -78,8 +80,8 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
     ctx = decode_context(layer, query, scaling)
     cand, P_s = ctx.candidates, ctx.candidates.shape[-1]
     summary = owner.retrieval.summary_bytes(layer.summaries, ctx.page_len)
-    if rule.page_means:  # a key mean and a value mean per page
-        summary = summary + page_means_bytes(store.keys.shape[-1])
+    if rule.unread != "skip":  # a value mean per page, and a key mean unless the scorer estimates the mass
+        summary = summary + page_means_bytes(store.keys.shape[-1], 2 if rule.unread == "centroid" else 1)
     summary = torch.where(cand, summary, 0)  # scanned
     B, H, P = store.page_len.shape
     rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
@@ -107,28 +109,37 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
 
 
 def add_unread_pages(
-    layer: Any, query: torch.Tensor, pages: torch.Tensor, scaling: float, out: torch.Tensor
+    layer: Any,
+    query: torch.Tensor,
+    pages: torch.Tensor,
+    scaling: float,
+    out: torch.Tensor,
+    lse_read: torch.Tensor,
 ) -> torch.Tensor:
-    """`unread_pages="centroid"`, at a step feeding one token (a forward of several read by retrieval attends
-    over its pages only): the step's output `out` (B, 1, Hq, D), exact attention over the pages read
-    (`pages` (B, Hkv, P) bool), with each candidate page not read added as one token: its keys' mean k_p as
-    the key, log n_p added to its logit (n_p its tokens: the page's mass if its keys were all k_p), its values'
-    mean as the value (both stored as int8, `summaries.page_mean`). The two parts are combined by their
-    log-sum-exps (the pages read: recomputed over their slots). A page whose keys and values are all equal
-    enters exactly (up to the int8 rounding of its means); elsewhere it is the centroid estimate."""
+    """`unread_pages` "centroid" or "scored", at a step feeding one token (a forward of several read by
+    retrieval attends over its pages only): the step's output `out` (B, 1, Hq, D), exact attention over the
+    pages read (`pages` (B, Hkv, P) bool; `lse_read` (B, Hkv, G) the log-sum-exp of its logits, from the
+    decode backend's `attend_lse`), with each candidate page not read added as one token with its
+    values' mean as the value (stored as int8, `summaries.page_mean`) and as its logit
+    - "centroid": its keys' mean k_p as the key (int8 too), plus log n_p (n_p its tokens: the page's mass if
+      its keys were all k_p; by Jensen, never above the page's true log-mass);
+    - "scored": the retrieval scorer's estimate of the page's log-mass (`page_log_mass`: OVAL / LOCKS score
+      each token of the page from its low-rank record), which reads no key mean.
+    The two parts are combined by their log-sum-exps. A page whose keys and values are all equal enters
+    exactly (up to the int8 rounding of its means); elsewhere it is an estimate."""
     store = layer.store
-    k_mean, v_mean = page_mean(layer, "k"), page_mean(layer, "v")
+    v_mean = page_mean(layer, "v")
     B, Hq, _, D = query.shape
-    H, P_s = k_mean.shape[1], k_mean.shape[2]
+    H, P_s = v_mean.shape[1], v_mean.shape[2]
     G = Hq // H
     # closed pages with tokens that were not read: the candidates left out (every other page is always read)
     unread = (store.page_len[..., :P_s] > 0) & ~pages[..., :P_s]
     q = query[:, :, -1].float().reshape(B, H, G, D)  # a KV head's query heads together
-    slots = store.slot_valid & pages.gather(-1, store.slot_page.clamp(min=0))
-    logits = torch.einsum("bhgd,bhld->bhgl", q, store.keys.float()) * scaling
-    lse_read = logits.masked_fill(~slots.unsqueeze(2), float("-inf")).logsumexp(-1)  # (B, H, G)
-    n = store.page_len[..., :P_s].float().clamp(min=1).log()
-    page_logits = torch.einsum("bhgd,bhpd->bhgp", q, k_mean) * scaling + n.unsqueeze(2)
+    if layer.owner.read_rule.unread == "scored":
+        page_logits = layer.owner.retrieval.page_log_mass(decode_context(layer, query, scaling)).float()
+    else:
+        n = store.page_len[..., :P_s].float().clamp(min=1).log()
+        page_logits = torch.einsum("bhgd,bhpd->bhgp", q, page_mean(layer, "k")) * scaling + n.unsqueeze(2)
     page_logits = page_logits.masked_fill(~unread.unsqueeze(2), float("-inf"))
     lse_unread = page_logits.logsumexp(-1)  # -inf where every candidate was read
     weights = torch.softmax(page_logits, -1).nan_to_num(0.0)
@@ -222,6 +233,20 @@ class MaskedDecode:
         out = F.scaled_dot_product_attention(qg, store.keys, store.values, attn_mask=mg, scale=scaling)
         return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
 
+    def attend_lse(
+        self, layer: Any, query: torch.Tensor, pages: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token (`query` (B, Hq, 1, D)): `attend`'s output and the log-sum-exp of its logits over
+        the slots read, (B, Hkv, G) fp32 (-inf where none is read), what `add_unread_pages` merges with."""
+        store = layer.store
+        B, Hq, _, D = query.shape
+        H = store.keys.shape[1]
+        qg = query.reshape(B, H, Hq // H, D).float()
+        slots = store.slot_valid & pages.gather(-1, store.slot_page.clamp(min=0))
+        logits = torch.matmul(qg, store.keys.float().transpose(-1, -2)) * scaling
+        out, lse = _softmax_with_lse(logits.masked_fill(~slots.unsqueeze(2), float("-inf")), store.values)
+        return out.reshape(B, 1, Hq, D).to(query.dtype), lse
+
 
 class KernelDecode(MaskedDecode):
     """One new token: mm_oval.kernels.sparse_paged_decode over the pages read; more (a later turn fed at
@@ -234,11 +259,16 @@ class KernelDecode(MaskedDecode):
     ) -> torch.Tensor:
         if query.shape[2] != 1:
             return super().attend(layer, query, pages, scaling)
+        return self.attend_lse(layer, query, pages, scaling)[0]
+
+    def attend_lse(
+        self, layer: Any, query: torch.Tensor, pages: torch.Tensor | None, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         store = layer.store
         read = (store.page_len > 0) if pages is None else pages
-        P = read.shape[-1]
+        B, H, P = read.shape
         page_idx = torch.where(read, torch.arange(P, device=read.device), -1)
-        out, _ = kernels.sparse_paged_decode(
+        out, lse = kernels.sparse_paged_decode(
             query[:, :, 0],
             store.keys,
             store.values,
@@ -248,7 +278,7 @@ class KernelDecode(MaskedDecode):
             scale=scaling,
             max_page_len=layer.owner.config.max_page_len,
         )
-        return out.unsqueeze(1)
+        return out.unsqueeze(1), lse.view(B, H, -1)
 
 
 class GatheredDecode(MaskedDecode):
@@ -261,20 +291,43 @@ class GatheredDecode(MaskedDecode):
     def attend(
         self, layer: Any, query: torch.Tensor, pages: torch.Tensor | None, scaling: float
     ) -> torch.Tensor:
-        B, Hq, q, D = query.shape
-        store = layer.store
-        if q == 1 and pages is not None:
-            # the most pages a KV head reads and the longest page read: the gathered width is their product
-            n_pages, longest = torch.stack([pages.sum(-1).max(), (store.page_len * pages).max()]).tolist()
-            if 0 < n_pages * longest <= GATHER_SHARE * store.keys.shape[2]:
-                qg = query.reshape(B, store.keys.shape[1], -1, D)
-                out = self.gathered(layer, qg, pages, n_pages, max(longest, 1), scaling)
-                return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous()
+        if query.shape[2] == 1 and pages is not None:
+            got = self._gathered_step(layer, query, pages, scaling, with_lse=False)
+            if got is not None:
+                return got[0]
         return super().attend(layer, query, pages, scaling)
 
+    def attend_lse(
+        self, layer: Any, query: torch.Tensor, pages: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._gathered_step(layer, query, pages, scaling, with_lse=True)
+        return got if got is not None else super().attend_lse(layer, query, pages, scaling)
+
+    def _gathered_step(
+        self, layer: Any, query: torch.Tensor, pages: torch.Tensor, scaling: float, with_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The gathered attention of one new token (output (B, 1, Hq, D) and, `with_lse`, its log-sum-exp
+        (B, Hkv, G)), or None when the pages read are too large a share of the cache to gather."""
+        B, Hq, q, D = query.shape
+        store = layer.store
+        # the most pages a KV head reads and the longest page read: the gathered width is their product
+        n_pages, longest = torch.stack([pages.sum(-1).max(), (store.page_len * pages).max()]).tolist()
+        if not 0 < n_pages * longest <= GATHER_SHARE * store.keys.shape[2]:
+            return None
+        qg = query.reshape(B, store.keys.shape[1], -1, D)
+        out, lse = self.gathered(layer, qg, pages, n_pages, max(longest, 1), scaling, with_lse)
+        return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous(), lse
+
     def gathered(
-        self, layer: Any, qg: torch.Tensor, pages: torch.Tensor, width: int, block: int, scaling: float
-    ) -> torch.Tensor:
+        self,
+        layer: Any,
+        qg: torch.Tensor,
+        pages: torch.Tensor,
+        width: int,
+        block: int,
+        scaling: float,
+        with_lse: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """SDPA of `qg` (B, H, G, D) over the pages `pages` (B, H, P) bool only: each KV head's read pages,
         in page order, copied as blocks of `block` slots (the longest page read) into (B, H, width * block,
         D) in the storage dtype, `width` the most pages a head reads; the rows past a page's slots, a
@@ -283,7 +336,9 @@ class GatheredDecode(MaskedDecode):
         decode step that reads a small share of the cache moves only that share, one copy per page, and
         builds nothing the size of the cache. The KV heads go a few at a time (their gathered keys and
         values about GATHER_CHUNK_BYTES), each group's SDPA reading its blocks while the copy left them in
-        the CPU's cache, through a buffer the cache's layers share (`PagedMultimodalCache.scratch`)."""
+        the CPU's cache, through a buffer the cache's layers share (`PagedMultimodalCache.scratch`).
+        Returns the output and, `with_lse`, the log-sum-exp of each row's logits over the slots read
+        ((B, H, G) fp32; the attention is then computed in fp32 by hand, as SDPA does not return it)."""
         store = layer.store
         D, dev, heads = store.k.shape[3], pages.device, qg.shape[0] * qg.shape[1]
         row0, valid = _block_rows(store, pages, width, block)
@@ -301,6 +356,7 @@ class GatheredDecode(MaskedDecode):
         buf = layer.owner.scratch(2 * c * width * block * D, store.k.dtype, dev).view(2, c, width * block, D)
         qf = qg.reshape(heads, 1, qg.shape[2], D)
         out = qf.new_empty(qf.shape)
+        lse = qf.new_empty(qf.shape[:3], dtype=torch.float32) if with_lse else None
         rows = row0.view(heads, width)
         for a in range(0, heads, c):  # a few KV heads at a time: SDPA reads the blocks while still in cache
             b = min(heads, a + c)
@@ -308,10 +364,23 @@ class GatheredDecode(MaskedDecode):
             k, v = buf[0, : b - a], buf[1, : b - a]
             torch.index_select(windows[0], 0, idx, out=k.view(word).view(idx.numel(), -1))
             torch.index_select(windows[1], 0, idx, out=v.view(word).view(idx.numel(), -1))
-            out[a:b] = F.scaled_dot_product_attention(
-                qf[a:b], k.unsqueeze(1), v.unsqueeze(1), attn_mask=valid[a:b], scale=scaling
-            )
-        return out.view(qg.shape)
+            if lse is None:
+                out[a:b] = F.scaled_dot_product_attention(
+                    qf[a:b], k.unsqueeze(1), v.unsqueeze(1), attn_mask=valid[a:b], scale=scaling
+                )
+                continue
+            logits = torch.matmul(qf[a:b].float(), k.unsqueeze(1).float().transpose(-1, -2)) * scaling
+            o, lse[a:b] = _softmax_with_lse(logits.masked_fill(~valid[a:b], float("-inf")), v.unsqueeze(1))
+            out[a:b] = o.to(out.dtype)
+        return out.view(qg.shape), None if lse is None else lse.view(qg.shape[:3])
+
+
+def _softmax_with_lse(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention from masked fp32 logits (..., G, L) over `values` (..., L, D): (output fp32 (..., G, D),
+    log-sum-exp (..., G)); a row with no slot gives zeros and -inf."""
+    lse = logits.logsumexp(-1)
+    p = torch.exp(logits - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+    return torch.matmul(p, values.float()), lse
 
 
 def _block_rows(store: Any, pages: torch.Tensor, width: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:

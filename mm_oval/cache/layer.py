@@ -50,7 +50,7 @@ class PagedLayer(CacheLayerMixin):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
-        # each closed page's keys' and values' means ("k", "v"), with unread_pages="centroid" (summaries.py)
+        # each closed page's keys' and values' means ("k", "v"; "v" only with "scored"), with unread_pages (summaries.py)
         self.page_means: dict[str, torch.Tensor] = {}
         self.phase = "empty"  # empty -> prefill (full prompt stored) -> decode (compressed + appended)
         self.logical_len = 0
@@ -155,10 +155,11 @@ class PagedLayer(CacheLayerMixin):
         """Exact attention of `query` (B, Hq, Q, D) over the slots read; returns (B, Q, Hq, D), by the
         request's decode backend (`decode.choose_backend`)."""
         pages = self.read_pages(query, scaling)  # (B, H, P) bool or None (every page)
-        out = self.owner.decode_backend(query).attend(self, query, pages, scaling)
-        if pages is not None and self.page_means and query.shape[2] == 1:  # unread_pages="centroid"
-            out = decode.add_unread_pages(self, query, pages, scaling, out)
-        return out
+        backend = self.owner.decode_backend(query)
+        if pages is not None and self.page_means and query.shape[2] == 1:  # unread_pages: the estimate
+            out, lse = backend.attend_lse(self, query, pages, scaling)
+            return decode.add_unread_pages(self, query, pages, scaling, out, lse)
+        return backend.attend(self, query, pages, scaling)
 
 
 def _store_view(name: str) -> property:

@@ -49,13 +49,14 @@ def summarize(layer: Any, first: int, stop: int) -> None:
     step = summary_chunk(layer, T)
     new: dict[str, torch.Tensor] = {}
     slot_src = layer.slot_src
-    means = layer.owner.config.unread_pages == "centroid"
+    unread = layer.owner.config.unread_pages
+    means = ("k", "v") if unread == "centroid" else ("v",) if unread == "scored" else ()
     for a in range(first, stop, step):
         b = min(stop, a + step)
         batch = _page_batch(layer, a, b, T, slot_src)
         part = layer.owner.retrieval.summarize(batch)
         if means:
-            _append_means(layer, batch)
+            _append_means(layer, batch, means)
         if step >= stop - first:
             new = part
             break
@@ -68,13 +69,15 @@ def summarize(layer: Any, first: int, stop: int) -> None:
         layer.summaries[name] = t if old is None else torch.cat([old, t], dim=2)
 
 
-def _append_means(layer: Any, batch: PageBatch) -> None:
-    """Each page's keys' and values' means, appended to `layer.page_means`: what `unread_pages="centroid"`
-    reads of a page a step does not read. Stored compact, as int8 with one fp16 scale per page and KV head
-    (the absolute maximum over 127): "k", "v" (B, Hkv, P, D) int8, "k_scale", "v_scale" (B, Hkv, P) fp16."""
+def _append_means(layer: Any, batch: PageBatch, names: tuple[str, ...]) -> None:
+    """Each page's keys' ("k") and values' ("v") means, those of `names`, appended to `layer.page_means`:
+    what `unread_pages` reads of a page a step does not read ("centroid" both, "scored" the values' only).
+    Stored compact, as int8 with one fp16 scale per page and KV head (the absolute maximum over 127):
+    "k", "v" (B, Hkv, P, D) int8, "k_scale", "v_scale" (B, Hkv, P) fp16."""
     m = batch.mask.unsqueeze(-1).float()
     n = m.sum(-2).clamp(min=1)
-    for name, x in (("k", batch.keys), ("v", batch.values)):
+    for name in names:
+        x = batch.keys if name == "k" else batch.values
         mean = (x.float() * m).sum(-2) / n
         scale = (mean.abs().amax(-1) / 127).clamp(min=1e-8).half()
         q = (mean / scale.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
@@ -88,9 +91,10 @@ def page_mean(layer: Any, name: str) -> torch.Tensor:
     return layer.page_means[name].float() * layer.page_means[f"{name}_scale"].float().unsqueeze(-1)
 
 
-# bytes a step reads of one page's means (`unread_pages="centroid"`): two int8 vectors and two fp16 scales
-def page_means_bytes(head_dim: int) -> int:
-    return 2 * (head_dim + 2)
+# bytes a step reads of one page's means: an int8 vector and an fp16 scale for each mean kept (two with
+# `unread_pages="centroid"`, the values' alone with "scored")
+def page_means_bytes(head_dim: int, means: int = 2) -> int:
+    return means * (head_dim + 2)
 
 
 def _page_batch(layer: Any, a: int, b: int, T: int, slot_src: torch.Tensor) -> PageBatch:

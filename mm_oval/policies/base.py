@@ -126,6 +126,9 @@ class RetrievalPolicy:
     # of the head's attention), so a layer's heads may share their read budget (`read_head_budget="shared"`,
     # `SharedHeads`); False makes the configuration refuse that
     comparable_across_heads: ClassVar[bool] = False
+    # True: `page_log_mass` estimates each page's log attention mass from its summary (OVAL, LOCKS), which
+    # `unread_pages="scored"` needs
+    estimates_page_mass: ClassVar[bool] = False
     # the policy's per-request memory of earlier steps (`ctx.request.state_of(self)`, fresh per request) and
     # what the layers of one decode step share (`ctx.step.state_of(self)`, fresh per forward); None: none
     State: ClassVar[type | None] = None
@@ -145,6 +148,13 @@ class RetrievalPolicy:
         bytes budget: the best-scoring pages while their bytes fit, so small pages are not charged as
         large ones), each per KV head or shared by the layer's heads (`SharedHeads`)."""
         return select_by_score(self.score_pages(ctx), ctx.candidates, read_budget)
+
+    def page_log_mass(self, ctx: DecodeContext) -> torch.Tensor | None:
+        """(B, Hkv, G, P) fp32: per query head, each page's estimated log attention mass from its summary
+        (log sum_i exp(scaling q . k_i) over the page's tokens, on the logits' scale) for the newest query
+        row, -inf for an empty page; None when the policy's summaries give no such estimate (the default;
+        Quest's bounds are not one). What `unread_pages="scored"` puts in place of a page not read."""
+        return None
 
     def summary_bytes(self, summaries: dict[str, torch.Tensor], page_len: torch.Tensor) -> torch.Tensor:
         """(B, Hkv, P) long: the bytes of each page's summary that scoring it reads, per KV head (the

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ConfigError
-from ..kernels import page_score_lowrank, page_score_lowrank_compact
+from ..kernels import page_log_mass_lowrank, page_score_lowrank, page_score_lowrank_compact
 from .base import DecodeContext, PageBatch, RetrievalPolicy, register_retrieval
 from .page_summaries import (
     check_summary_format,
@@ -40,6 +40,7 @@ class _BasisRetrieval(RetrievalPolicy):
     # a page's score is the log of its estimated share of the KV head's attention over the closed pages
     # (the GQA combination's softmax over pages): one scale for every head, so heads may share a read budget
     comparable_across_heads: ClassVar[bool] = True
+    estimates_page_mass: ClassVar[bool] = True  # `page_log_mass`: the score before the GQA combination
 
     rank: int = 8
     eta: float = 0.0
@@ -118,6 +119,11 @@ class _BasisRetrieval(RetrievalPolicy):
             for i in range(ctx.query.shape[2])
         ]
         return mean_over_queries(rows)
+
+    def page_log_mass(self, ctx: DecodeContext) -> torch.Tensor:
+        """Each page's log attention mass for each query head as its basis estimates it (the score before
+        the GQA combination): the keys' centroid and low-rank coefficients stand in for its keys."""
+        return page_log_mass_lowrank(ctx.query[:, :, -1], ctx.summaries, ctx.page_len, ctx.scaling)
 
 
 @register_retrieval

@@ -395,6 +395,9 @@ class Router2Retrieval(RetrievalPolicy):
             raise ConfigError(f"router2: base must be one of {', '.join(BASES)}, got {self.base_name!r}")
         opts = dict(trained.base_options if trained is not None else {}) | dict(base_options or {})
         self.base = make_retrieval(self.base_name, **opts)
+        self.estimates_page_mass = bool(
+            self.base.estimates_page_mass
+        )  # unread_pages="scored" uses the base's
         if record_format not in ("auto", *SUMMARY_FORMATS):
             raise ConfigError(
                 f"router2: record_format must be 'auto', 'float' or 'compact', got {record_format!r}"
@@ -498,6 +501,13 @@ class Router2Retrieval(RetrievalPolicy):
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         return self._scores(ctx)[1]
+
+    def page_log_mass(self, ctx: DecodeContext) -> torch.Tensor | None:
+        """The base's estimate of each page's log attention mass (OVAL / LOCKS: its low-rank record; the
+        router's logits rank pages and are no such estimate), for the query itself, not predicted ahead."""
+        return self.base.page_log_mass(
+            dataclasses.replace(ctx, summaries=self._base_summaries(ctx.summaries))
+        )
 
     def _scores(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(base scores, base + correction) of this step (the base asked once: predict-ahead keeps state)."""
