@@ -85,3 +85,52 @@ def test_a_router2_on_a_plain_lm_pools_the_context_token_embeddings_at_serve_tim
     head, _ = split_prompt(tok, items[0], torch.device("cpu"))
     assert len(answers) == 1 and seen and all(e is not None for e in seen)
     assert torch.equal(seen[0], model.get_input_embeddings()(head))
+
+
+def test_the_error_teacher_weighs_a_page_by_how_far_its_estimate_is_from_its_exact_contribution(
+    tiny_lm, byte_tokenizer
+):
+    """`--teacher error`: a page is worth reading by the distance between its exact contribution to the
+    step's output and what `unread_pages="scored"` puts in its place (the base's estimate of its attention
+    mass times its values' mean). A page whose values are constant and whose mass is estimated exactly is
+    worth nothing; the others are worth the norm the definition gives. The capture refuses a base without
+    mass estimates (Quest)."""
+    from mm_oval.errors import ConfigError
+    from mm_oval.training.router import estimate_error
+
+    g = torch.Generator().manual_seed(0)
+    hkv, G, P, T, D = 2, 3, 4, 5, 6
+    n = P * T
+    logits = torch.randn(hkv * G, n, generator=g) * 2
+    att, lse = logits.softmax(-1), logits.logsumexp(-1)
+    tok_idx = torch.arange(n).view(1, P, T).expand(hkv, P, T).clone()
+    tok_idx[:, 3, 4] = -1  # a page one token short
+    values = torch.randn(hkv, P, T, D, generator=g)
+    values[:, 0] = values[:, 0, :1]  # page 0: constant values
+    values[:, 3, 4] = 0
+    mask = (tok_idx >= 0).unsqueeze(1)  # (hkv, 1, P, T)
+    page_logits = logits.view(hkv, G, P, T).masked_fill(~mask, float("-inf"))
+    log_mass = page_logits.logsumexp(-1)  # exact
+    err = estimate_error(att, lse, log_mass, tok_idx, values)
+    assert err.shape == (hkv, P)
+    assert torch.allclose(err[:, 0], torch.zeros(hkv), atol=1e-6) and bool((err[:, 1:] > 1e-3).all())
+    a = att.view(hkv, G, P, T) * mask
+    for h in range(hkv):
+        for p in range(P):
+            k = int(mask[h, 0, p].sum())
+            norms = [
+                (
+                    (a[h, gi, p, :k, None] * values[h, p, :k]).sum(0)
+                    - a[h, gi, p].sum() * values[h, p, :k].mean(0)
+                ).norm()
+                for gi in range(G)
+            ]
+            assert float(err[h, p]) == pytest.approx(float(sum(norms) / G), rel=1e-5, abs=1e-6), (h, p)
+    prompts = _prompts()[:1]
+    with pytest.raises(ConfigError, match="teacher 'error' needs a base that estimates page masses"):
+        capture_router2_data(tiny_lm, byte_tokenizer, prompts, make_retrieval("quest"), teacher="error")
+    samples = capture_router2_data(
+        tiny_lm, byte_tokenizer, prompts, make_retrieval("oval", rank=2), max_new_tokens=2, teacher="error"
+    )
+    mass = samples[0].mass
+    assert bool((mass >= 0).all()) and bool((mass[..., samples[0].candidate] > 0).any())

@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="focal",
         help="router v2: focal loss or Gumbel top-k",
     )
+    parser.add_argument(
+        "--teacher",
+        choices=("mass", "error"),
+        default="mass",
+        help="router v2: what a page is worth reading: its exact attention mass, or (error) how far its exact "
+        "contribution to the output is from the base's estimate of it (unread_pages='scored')",
+    )
     parser.add_argument("--resume", action="store_true", help="router v2: continue the run in --out")
     add_load_arguments(parser, device=False)  # --device above: the router trains where the model is
 
@@ -258,6 +265,8 @@ def run2(args: argparse.Namespace) -> int:
         sink_tokens=args.sink_tokens,
         recent_tokens=args.recent_tokens,
     )
+    if args.teacher != "mass":  # (captures made before the option hold the mass teacher)
+        kw["teacher"] = args.teacher
     sets = {}
     for split, spec, seed in (("train", args.data, 1000), ("val", args.val, 2000)):
         path = out / f"capture_{split}.safetensors"

@@ -608,12 +608,25 @@ def capture_router2_data(
     text_page_size: int = 16,
     sink_tokens: int = 4,
     recent_tokens: int = 16,
+    teacher: str = "mass",
 ) -> list[Router2Sample]:
     """The model answers each prompt greedily; one teacher-forced forward over prompt + answer records every
     layer's queries and keys. Per routed query (the last prompt positions and every answer position), layer
-    and KV head: the teacher's page mass (exact softmax over the prefix, group mean) and the base scorer's
-    score of each page (`base`, a RetrievalPolicy: its own summarize / score_pages over the cache's page
-    layout), from this query and from the previous position's."""
+    and KV head: the teacher's weight on each page and the base scorer's score of each page (`base`, a
+    RetrievalPolicy: its own summarize / score_pages over the cache's page layout), from this query and from
+    the previous position's. `teacher`:
+    - "mass": the page's attention mass (exact softmax over the prefix, group mean);
+    - "error": what reading the page exactly changes in the step's output when the pages not read enter as
+      `unread_pages="scored"` makes them (the base's estimate of the page's log-mass with its values'
+      mean): the norm of the page's exact contribution to the output minus that estimate's, both over the
+      exact normaliser, group mean. The base must estimate page masses (OVAL, LOCKS)."""
+    if teacher not in TEACHERS:
+        raise ConfigError(f"router2 capture: teacher must be one of {TEACHERS}, got {teacher!r}")
+    if teacher == "error" and not base.estimates_page_mass:
+        raise ConfigError(
+            f"router2 capture: teacher 'error' needs a base that estimates page masses (oval, locks), not "
+            f"{base.name!r}"
+        )
     from ..core import DecodeContext, PageBatch, RequestState
     from ..policies.router2 import BASE_FLOOR
     from ..prompts import tokenizer_of
@@ -681,17 +694,22 @@ def capture_router2_data(
                 summaries = base.summarize(batch)
                 kk = k[0].repeat_interleave(group, dim=0).float()  # (Hq, total, D)
                 for r, i in enumerate(rows):
-                    att = torch.softmax(
-                        torch.einsum("hd,htd->ht", q[0, :, i].float(), kk[:, : i + 1]) * scale, -1
-                    )
+                    logits = torch.einsum("hd,htd->ht", q[0, :, i].float(), kk[:, : i + 1]) * scale
+                    att = torch.softmax(logits, -1)
                     att = F.pad(att[:, :n], (0, max(0, n - i - 1)))
-                    mass[r, layer] = page_mass(att, tok_page, p, kv_heads=hkv).cpu()
                     for target, row in ((base_now, i), (base_prev, i - 1)):
                         ctx = DecodeContext(
                             layer, q[:, :, row : row + 1], summaries, lay.page_start[..., :p], page_len, kind,
                             cand, scale, module,
                         )  # fmt: skip
                         target[r, layer] = base.score_pages(ctx)[0].float().clamp(min=BASE_FLOOR).cpu()
+                        if row == i and teacher == "error":
+                            log_mass = base.page_log_mass(ctx)[0]  # (Hkv, G, P)
+                            mass[r, layer] = estimate_error(
+                                att, logits.logsumexp(-1), log_mass, tok_idx[0], gv[0]
+                            )
+                    if teacher == "mass":
+                        mass[r, layer] = page_mass(att, tok_page, p, kv_heads=hkv).cpu()
             out.append(
                 Router2Sample(
                     content=content.cpu(),
@@ -706,6 +724,28 @@ def capture_router2_data(
     if not out:
         raise DataError("no routed query was captured: the prompts produced no decode step")
     return out
+
+
+TEACHERS = ("mass", "error")
+
+
+def estimate_error(
+    att: torch.Tensor, lse: torch.Tensor, log_mass: torch.Tensor, tok_idx: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """The "error" teacher for one query: att (Hq, n) its exact attention over the prompt's tokens, lse (Hq,)
+    the log-sum-exp of its logits over the whole prefix, log_mass (Hkv, G, P) the base's estimate of each
+    page's log-mass, tok_idx (Hkv, P, T) each page's token positions (-1 past its end), values (Hkv, P, T, D)
+    the page's values (zero past its end) -> (Hkv, P): || sum_t a_t v_t - exp(log_mass - lse) mean_t v_t ||
+    per query head, averaged over the KV head's G query heads."""
+    hkv, P, T = tok_idx.shape
+    G = att.shape[0] // hkv
+    mask = tok_idx >= 0
+    idx = tok_idx.clamp(min=0).reshape(hkv, 1, P * T).expand(hkv, G, P * T)
+    a = att.reshape(hkv, G, -1).gather(-1, idx).view(hkv, G, P, T) * mask.unsqueeze(1)
+    exact = torch.einsum("hgpt,hptd->hgpd", a, values.float())
+    v_mean = values.float().sum(2) / mask.sum(-1, keepdim=True).clamp(min=1)
+    share = torch.exp(log_mass.float() - lse.view(hkv, G, 1)).nan_to_num(0.0)
+    return (exact - share.unsqueeze(-1) * v_mean.unsqueeze(1)).norm(dim=-1).mean(1).cpu()
 
 
 def _prompt_inputs(
