@@ -343,3 +343,42 @@ def test_retrieval_layer_budget_gives_the_read_bytes_to_the_layers_whose_recall_
     assert log[1] > log[0] >= 0.1  # missed mass 10x down (0.1 -> 0.01) beats 2x down (0.8 -> 0.4)
     with pytest.raises(MmOvalError, match="below the smallest budget measured"):
         fit_fractions(curves, 0.05)
+
+
+def test_probe_unread_estimate_measures_the_two_estimates_against_exact_attention(tiny_lm):
+    """benchmarks/probe_unread_estimate.py: on one decode step, the unread pages' exact log-mass is what a
+    float LOCKS record that spans each page's keys estimates ("scored", to float rounding), and the key-mean
+    estimate ("centroid") never exceeds it (Jensen); the shares and output errors come with them. Recording
+    leaves the step's output unchanged and restores the decode path afterwards."""
+    import torch
+
+    import mm_oval
+    from mm_oval.wrapper import prefill
+
+    mod = _load_benchmark("probe_unread_estimate")
+    ids = torch.randint(1, 300, (1, 300), generator=torch.Generator().manual_seed(0))
+    spec = {"retrieval": "locks", "retrieval_options": {"rank": 16, "summary_format": "float"}}
+    with mm_oval.wrapped(tiny_lm, read_budget=0.25, unread_pages="scored", **spec):
+        cache = prefill(tiny_lm, input_ids=ids)
+        layer = cache.layers[1]
+        D = layer.store.keys.shape[-1]
+        query = 3 * torch.randn(
+            1, tiny_lm.config.num_attention_heads, 1, D, generator=torch.Generator().manual_seed(1)
+        )
+        pages = layer.read_pages(query, D**-0.5)
+        e = mod.step_errors(layer, query, pages, D**-0.5)
+        rows: dict = {}
+        plain = layer.attend(query, D**-0.5)
+        with mod.recorded(rows):
+            seen = layer.attend(query, D**-0.5)
+    assert e["true_lse"].numel() > 0
+    torch.testing.assert_close(e["scored_lse"], e["true_lse"], rtol=1e-4, atol=1e-4)
+    assert bool((e["centroid_lse"] <= e["true_lse"] + 1e-4).all())
+    assert bool((e["centroid_lse"] < e["true_lse"] - 1e-3).any())
+    assert bool((e["scored_share"] - e["true_share"]).abs().max() < 1e-4)
+    torch.testing.assert_close(seen, plain)
+    assert list(rows) == [1] and set(rows[1][0]) == set(e)
+    assert mod.decode.add_unread_pages.__module__ == "mm_oval.cache.decode"  # restored
+    table = mod.summarize({0: [e], 1: [e]}, groups=2)
+    assert [r["layers"] for r in table] == ["0-0", "1-1", "all"]
+    assert table[-1]["scored_share_abs_err"] < 1e-4 < table[-1]["centroid_share_abs_err"]
