@@ -337,9 +337,10 @@ def run2(args: argparse.Namespace) -> int:
             for b in (0.10, 0.25)
             for k, v in evaluate_router2(net, sets["val"], b).items()
         }
+        what = "attention mass" if args.teacher == "mass" else "estimate error (the error teacher)"
         log.info(
-            "held-out share of candidate attention mass at 10%% / 25%% of the pages: router2 %.3f / %.3f, "
-            "base %.3f / %.3f, oracle %.3f / %.3f",
+            "held-out share of candidate %s at 10%% / 25%% of the pages: router2 %.3f / %.3f, "
+            "base %.3f / %.3f, oracle %.3f / %.3f", what,
             h["val10_router2"], h["val25_router2"], h["val10_base"], h["val25_base"],
             h["val10_oracle"], h["val25_oracle"],
         )  # fmt: skip
