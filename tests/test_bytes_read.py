@@ -524,71 +524,74 @@ def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_the
     """`unread_pages="centroid"`: a decode step attends over the pages it reads plus one token per unread
     candidate page (its keys' mean, weighted by its token count, and its values' mean). Where every page's
     keys and values are constant over its tokens that estimate is exact: the step's output is dense
-    attention's over every slot, though it reads a quarter of the pages; without it, it is not. The means are
-    read as part of the summaries: two int8 vectors of head_dim and their fp16 scales per candidate page and
-    step."""
+    attention's over every slot, though it reads a quarter of the pages; without it, it is not. The keys'
+    mean is the retrieval record's own where it holds one (OVAL's centroid: only the values' mean is kept
+    beside it); Quest's bounds hold none, so both are kept. What is kept is read as part of the summaries:
+    per candidate page and step, an int8 vector of head_dim and its fp16 scale for each mean kept."""
     from mm_oval.cache.summaries import page_mean
     from mm_oval.wrapper import prefill
 
     ids = torch.randint(1, 300, (1, 300), generator=torch.Generator().manual_seed(0))
-    mm_oval.wrap(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages="centroid")
-    try:
-        cache = prefill(tiny_lm, input_ids=ids)
-        layer = cache.layers[0]
-        st = layer.store
-        B, H, L, D = st.keys.shape
-        P = st.page_len.shape[-1]
-        # the means kept at prefill: each closed page's keys' and values' means, to int8 rounding
-        P_s = layer.page_means["k"].shape[2]
-        member = torch.nn.functional.one_hot(st.slot_page.clamp(min=0), P).float() * st.slot_valid.unsqueeze(
-            -1
-        )
-        count = member.sum(2).clamp(min=1).unsqueeze(-1)[:, :, :P_s]
-        for name, x in (("k", st.keys), ("v", st.values)):
-            true = torch.einsum("bhlp,bhld->bhpd", member, x)[:, :, :P_s] / count
-            torch.testing.assert_close(
-                page_mean(layer, name), true, rtol=0, atol=float(true.abs().max()) / 127
-            )
-        g = torch.Generator().manual_seed(1)
-        # page-constant keys and values on the int8 grid the means are stored on (scale 2^-6, one entry 127)
-        ints = [torch.randint(-127, 128, (B, H, P, D), generator=g) for _ in range(2)]
-        for t in ints:
-            t[..., 0] = 127
-        kp, vp = (t.float() * 2**-6 for t in ints)
-        idx = st.slot_page.clamp(min=0).unsqueeze(-1).expand(B, H, L, D)
-        st.keys.copy_(kp.gather(2, idx))
-        st.values.copy_(vp.gather(2, idx))
-        P_s = layer.page_means["k"].shape[2]
-        scale = torch.full((B, H, P_s), 2**-6, dtype=torch.float16)
-        layer.page_means = {"k": ints[0][:, :, :P_s].to(torch.int8), "k_scale": scale,
-                            "v": ints[1][:, :, :P_s].to(torch.int8), "v_scale": scale.clone()}  # fmt: skip
-        Hq, scaling = tiny_lm.config.num_attention_heads, D**-0.5
-        query = torch.randn(B, Hq, 1, D, generator=g)
-        out = layer.attend(query, scaling)[:, 0]  # (B, Hq, D)
-        pages = layer.read_pages(query, scaling)
-        skipped = cache.decode_backend(query).attend(layer, query, pages, scaling)[:, 0]
-    finally:
-        mm_oval.unwrap(tiny_lm)
-    cand = (st.page_len[..., :P_s] > 0) & ~st.page_pinned[..., :P_s]
-    assert 0 < int((pages[..., :P_s] & cand).sum()) < int(cand.sum())  # some candidate pages unread
-    qg = query[:, :, 0].reshape(B, H, Hq // H, D)
-    logits = torch.einsum("bhgd,bhld->bhgl", qg, st.keys) * scaling
-    logits = logits.masked_fill(~st.slot_valid.unsqueeze(2), float("-inf"))
-    dense = torch.einsum("bhgl,bhld->bhgd", logits.softmax(-1), st.values).reshape(B, Hq, D)
-    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(skipped, dense, rtol=1e-2, atol=1e-2)
-    summaries, candidates = {}, {}
-    for unread in ("skip", "centroid"):
-        with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages=unread):
-            cache = new_cache(tiny_lm)
-            tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache=cache)
-            s = get_stats(tiny_lm)
-        assert s["unread_pages"] == unread
-        summaries[unread] = s["bytes_read"]["total"]["summaries"]
-        candidates[unread] = int(cache.counters["candidate_pages"])
-    assert candidates["skip"] == candidates["centroid"] > 0
-    per_page = 2 * (D + 2)  # int8 key and value means, an fp16 scale each
-    assert summaries["centroid"] - summaries["skip"] == candidates["centroid"] * per_page
+    for retrieval, kept in (("oval", ["v", "v_scale"]), ("quest", ["k", "k_scale", "v", "v_scale"])):
+        mm_oval.wrap(tiny_lm, retrieval=retrieval, read_budget=0.25, unread_pages="centroid")
+        try:
+            cache = prefill(tiny_lm, input_ids=ids)
+            layer = cache.layers[0]
+            st = layer.store
+            B, H, L, D = st.keys.shape
+            P = st.page_len.shape[-1]
+            assert sorted(layer.page_means) == kept
+            # the means at prefill: each closed page's keys' and values' means, to int8 rounding
+            P_s = layer.page_means["v"].shape[2]
+            member = torch.nn.functional.one_hot(st.slot_page.clamp(min=0), P).float()
+            member = member * st.slot_valid.unsqueeze(-1)
+            count = member.sum(2).clamp(min=1).unsqueeze(-1)[:, :, :P_s]
+            for name, x in (("k", st.keys), ("v", st.values)):
+                true = torch.einsum("bhlp,bhld->bhpd", member, x)[:, :, :P_s] / count
+                torch.testing.assert_close(
+                    page_mean(layer, name)[:, :, :P_s], true, rtol=0, atol=float(true.abs().max()) / 127
+                )
+            g = torch.Generator().manual_seed(1)
+            # page-constant keys and values on the int8 grid the means are stored on (scale 2^-6, one entry 127)
+            ints = [torch.randint(-127, 128, (B, H, P, D), generator=g) for _ in range(2)]
+            for t in ints:
+                t[..., 0] = 127
+            kp, vp = (t.float() * 2**-6 for t in ints)
+            idx = st.slot_page.clamp(min=0).unsqueeze(-1).expand(B, H, L, D)
+            st.keys.copy_(kp.gather(2, idx))
+            st.values.copy_(vp.gather(2, idx))
+            scale = torch.full((B, H, P_s), 2**-6, dtype=torch.float16)
+            means = {"k": ints[0][:, :, :P_s].to(torch.int8), "v": ints[1][:, :, :P_s].to(torch.int8)}
+            if retrieval == "oval":  # the key mean is the record's centroid
+                layer.summaries["mu_q"], layer.summaries["mu_scale"] = means.pop("k"), scale.clone()
+            layer.page_means = {**means, **{f"{k}_scale": scale.clone() for k in means}}
+            Hq, scaling = tiny_lm.config.num_attention_heads, D**-0.5
+            query = torch.randn(B, Hq, 1, D, generator=g)
+            out = layer.attend(query, scaling)[:, 0]  # (B, Hq, D)
+            pages = layer.read_pages(query, scaling)
+            skipped = cache.decode_backend(query).attend(layer, query, pages, scaling)[:, 0]
+        finally:
+            mm_oval.unwrap(tiny_lm)
+        cand = (st.page_len[..., :P_s] > 0) & ~st.page_pinned[..., :P_s]
+        assert 0 < int((pages[..., :P_s] & cand).sum()) < int(cand.sum())  # some candidate pages unread
+        qg = query[:, :, 0].reshape(B, H, Hq // H, D)
+        logits = torch.einsum("bhgd,bhld->bhgl", qg, st.keys) * scaling
+        logits = logits.masked_fill(~st.slot_valid.unsqueeze(2), float("-inf"))
+        dense = torch.einsum("bhgl,bhld->bhgd", logits.softmax(-1), st.values).reshape(B, Hq, D)
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(skipped, dense, rtol=1e-2, atol=1e-2)
+        summaries, candidates = {}, {}
+        for unread in ("skip", "centroid"):
+            with mm_oval.wrapped(tiny_lm, retrieval=retrieval, read_budget=0.25, unread_pages=unread):
+                cache = new_cache(tiny_lm)
+                tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache=cache)
+                s = get_stats(tiny_lm)
+            assert s["unread_pages"] == unread
+            summaries[unread] = s["bytes_read"]["total"]["summaries"]
+            candidates[unread] = int(cache.counters["candidate_pages"])
+        assert candidates["skip"] == candidates["centroid"] > 0
+        per_page = len(kept) // 2 * (D + 2)  # an int8 mean and an fp16 scale for each mean kept
+        assert summaries["centroid"] - summaries["skip"] == candidates["centroid"] * per_page
     # a later forward of several tokens read by retrieval (no estimate there) and the steps after it
     with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages="centroid"):
         cache = prefill(tiny_lm, input_ids=ids[:, :250])
@@ -627,9 +630,7 @@ def test_unread_pages_scored_weights_each_unread_page_by_the_scorers_mass_estima
             B, H, L, D = st.keys.shape
             P = st.page_len.shape[-1]
             P_s = layer.page_means["v"].shape[2]
-            assert sorted(layer.page_means) == (
-                ["v", "v_scale"] if unread == "scored" else ["k", "k_scale", "v", "v_scale"]
-            )
+            assert sorted(layer.page_means) == ["v", "v_scale"]  # the key mean: the record's centroid
             g = torch.Generator().manual_seed(1)
             ints = torch.randint(-127, 128, (B, H, P, D), generator=g)
             ints[..., 0] = 127  # page-constant values on the int8 grid of the means (scale 2^-6)

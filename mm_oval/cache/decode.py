@@ -80,8 +80,8 @@ def read_pages(layer: Any, query: torch.Tensor, scaling: float) -> torch.Tensor 
     ctx = decode_context(layer, query, scaling)
     cand, P_s = ctx.candidates, ctx.candidates.shape[-1]
     summary = owner.retrieval.summary_bytes(layer.summaries, ctx.page_len)
-    if rule.unread != "skip":  # a value mean per page, and a key mean unless the scorer estimates the mass
-        summary = summary + page_means_bytes(store.keys.shape[-1], 2 if rule.unread == "centroid" else 1)
+    if rule.unread != "skip":  # the means a page keeps beside its record (`summaries.page_means_bytes`)
+        summary = summary + page_means_bytes(layer)
     summary = torch.where(cand, summary, 0)  # scanned
     B, H, P = store.page_len.shape
     rest = torch.ones(B, H, P - P_s, dtype=torch.bool, device=cand.device)  # the open page
@@ -121,8 +121,9 @@ def add_unread_pages(
     pages read (`pages` (B, Hkv, P) bool; `lse_read` (B, Hkv, G) the log-sum-exp of its logits, from the
     decode backend's `attend_lse`), with each candidate page not read added as one token with its
     values' mean as the value (stored as int8, `summaries.page_mean`) and as its logit
-    - "centroid": its keys' mean k_p as the key (int8 too), plus log n_p (n_p its tokens: the page's mass if
-      its keys were all k_p; by Jensen, never above the page's true log-mass);
+    - "centroid": its keys' mean k_p as the key (int8 too: the retrieval record's own centroid where it holds
+      one, OVAL's and LOCKS's), plus log n_p (n_p its tokens: the page's mass if its keys were all k_p; by
+      Jensen, never above the page's true log-mass);
     - "scored": the retrieval scorer's estimate of the page's log-mass (`page_log_mass`: OVAL / LOCKS score
       each token of the page from its low-rank record), which reads no key mean.
     The two parts are combined by their log-sum-exps. A page whose keys and values are all equal enters
@@ -139,7 +140,8 @@ def add_unread_pages(
         page_logits = layer.owner.retrieval.page_log_mass(decode_context(layer, query, scaling)).float()
     else:
         n = store.page_len[..., :P_s].float().clamp(min=1).log()
-        page_logits = torch.einsum("bhgd,bhpd->bhgp", q, page_mean(layer, "k")) * scaling + n.unsqueeze(2)
+        k_mean = page_mean(layer, "k")[:, :, :P_s].float()
+        page_logits = torch.einsum("bhgd,bhpd->bhgp", q, k_mean) * scaling + n.unsqueeze(2)
     page_logits = page_logits.masked_fill(~unread.unsqueeze(2), float("-inf"))
     lse_unread = page_logits.logsumexp(-1)  # -inf where every candidate was read
     weights = torch.softmax(page_logits, -1).nan_to_num(0.0)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import PageBatch
+from ..kernels.common.quant import dequantize_int8, quantize_int8
 from ..pages import gather_pages
 
 # the share of a layer's KV bytes that the temporaries of building its page summaries may take at once, and
@@ -49,8 +50,10 @@ def summarize(layer: Any, first: int, stop: int) -> None:
     step = summary_chunk(layer, T)
     new: dict[str, torch.Tensor] = {}
     slot_src = layer.slot_src
-    unread = layer.owner.config.unread_pages
-    means = ("k", "v") if unread == "centroid" else ("v",) if unread == "scored" else ()
+    unread, policy = layer.owner.config.unread_pages, layer.owner.retrieval
+    # the keys' mean only where the retrieval record does not already hold it (OVAL / LOCKS keep it)
+    own_keys = unread == "centroid" and not policy.keeps_key_means
+    means = ("k", "v") if own_keys else ("v",) if unread != "skip" else ()
     for a in range(first, stop, step):
         b = min(stop, a + step)
         batch = _page_batch(layer, a, b, T, slot_src)
@@ -71,30 +74,32 @@ def summarize(layer: Any, first: int, stop: int) -> None:
 
 def _append_means(layer: Any, batch: PageBatch, names: tuple[str, ...]) -> None:
     """Each page's keys' ("k") and values' ("v") means, those of `names`, appended to `layer.page_means`:
-    what `unread_pages` reads of a page a step does not read ("centroid" both, "scored" the values' only).
-    Stored compact, as int8 with one fp16 scale per page and KV head (the absolute maximum over 127):
-    "k", "v" (B, Hkv, P, D) int8, "k_scale", "v_scale" (B, Hkv, P) fp16."""
+    what `unread_pages` reads of a page a step does not read (the values' mean; the keys' too with
+    "centroid" when the retrieval record holds no key mean). Stored compact, int8 with one fp16 scale per
+    page and KV head (`quantize_int8`, as the compact records' centroids): "k", "v" (B, Hkv, P, D) int8,
+    "k_scale", "v_scale" (B, Hkv, P) fp16."""
     m = batch.mask.unsqueeze(-1).float()
     n = m.sum(-2).clamp(min=1)
     for name in names:
         x = batch.keys if name == "k" else batch.values
-        mean = (x.float() * m).sum(-2) / n
-        scale = (mean.abs().amax(-1) / 127).clamp(min=1e-8).half()
-        q = (mean / scale.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        q, scale = quantize_int8((x.float() * m).sum(-2) / n, 1)
         for key, t in ((name, q), (f"{name}_scale", scale)):
             old = layer.page_means.get(key)
             layer.page_means[key] = t if old is None else torch.cat([old, t], dim=2)
 
 
 def page_mean(layer: Any, name: str) -> torch.Tensor:
-    """(B, Hkv, P, D) fp32: the pages' keys' ("k") or values' ("v") means as `_append_means` stored them."""
-    return layer.page_means[name].float() * layer.page_means[f"{name}_scale"].float().unsqueeze(-1)
+    """(B, Hkv, P, D) fp32: the pages' values' ("v") or keys' ("k") means: as `_append_means` stored them,
+    or for the keys, the retrieval record's own centroid where it holds one (`keeps_key_means`)."""
+    if name == "k" and "k" not in layer.page_means:
+        return layer.owner.retrieval.page_key_means(layer.summaries)
+    return dequantize_int8(layer.page_means[name], layer.page_means[f"{name}_scale"])
 
 
-# bytes a step reads of one page's means: an int8 vector and an fp16 scale for each mean kept (two with
-# `unread_pages="centroid"`, the values' alone with "scored")
-def page_means_bytes(head_dim: int, means: int = 2) -> int:
-    return means * (head_dim + 2)
+def page_means_bytes(layer: Any) -> int:
+    """Bytes a step reads of one page's means beyond its retrieval record: an int8 vector of head_dim and an
+    fp16 scale for each mean the layer keeps (the values'; the keys' too when the record holds none)."""
+    return sum(1 for name in ("k", "v") if name in layer.page_means) * (layer.store.keys.shape[-1] + 2)
 
 
 def _page_batch(layer: Any, a: int, b: int, T: int, slot_src: torch.Tensor) -> PageBatch:

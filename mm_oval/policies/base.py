@@ -129,6 +129,9 @@ class RetrievalPolicy:
     # True: `page_log_mass` estimates each page's log attention mass from its summary (OVAL, LOCKS), which
     # `unread_pages="scored"` needs
     estimates_page_mass: ClassVar[bool] = False
+    # True: `page_key_means` reads each page's keys' mean from its summary (OVAL, LOCKS: the centroid), which
+    # `unread_pages="centroid"` then uses instead of keeping its own copy
+    keeps_key_means: ClassVar[bool] = False
     # the policy's per-request memory of earlier steps (`ctx.request.state_of(self)`, fresh per request) and
     # what the layers of one decode step share (`ctx.step.state_of(self)`, fresh per forward); None: none
     State: ClassVar[type | None] = None
@@ -148,6 +151,11 @@ class RetrievalPolicy:
         bytes budget: the best-scoring pages while their bytes fit, so small pages are not charged as
         large ones), each per KV head or shared by the layer's heads (`SharedHeads`)."""
         return select_by_score(self.score_pages(ctx), ctx.candidates, read_budget)
+
+    def page_key_means(self, summaries: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """(B, Hkv, P, D) fp32: each page's keys' mean as its summary holds it; None when it holds none (the
+        default). Only called where `keeps_key_means` is True."""
+        return None
 
     def page_log_mass(self, ctx: DecodeContext) -> torch.Tensor | None:
         """(B, Hkv, G, P) fp32: per query head, each page's estimated log attention mass from its summary

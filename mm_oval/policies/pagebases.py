@@ -20,6 +20,7 @@ from .page_summaries import (
     check_summary_format,
     compact_basis_bytes,
     compact_page_bases,
+    dequantize_int8,
     layer_output_metric,
     page_bases,
 )
@@ -41,6 +42,7 @@ class _BasisRetrieval(RetrievalPolicy):
     # (the GQA combination's softmax over pages): one scale for every head, so heads may share a read budget
     comparable_across_heads: ClassVar[bool] = True
     estimates_page_mass: ClassVar[bool] = True  # `page_log_mass`: the score before the GQA combination
+    keeps_key_means: ClassVar[bool] = True  # the record's centroid is the page's keys' mean
 
     rank: int = 8
     eta: float = 0.0
@@ -119,6 +121,12 @@ class _BasisRetrieval(RetrievalPolicy):
             for i in range(ctx.query.shape[2])
         ]
         return mean_over_queries(rows)
+
+    def page_key_means(self, summaries: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The record's centroid (int8 with an fp16 scale per page in a compact record)."""
+        if "mu_q" in summaries:
+            return dequantize_int8(summaries["mu_q"], summaries["mu_scale"])
+        return summaries["mu"].float()
 
     def page_log_mass(self, ctx: DecodeContext) -> torch.Tensor:
         """Each page's log attention mass for each query head as its basis estimates it (the score before

@@ -395,9 +395,9 @@ class Router2Retrieval(RetrievalPolicy):
             raise ConfigError(f"router2: base must be one of {', '.join(BASES)}, got {self.base_name!r}")
         opts = dict(trained.base_options if trained is not None else {}) | dict(base_options or {})
         self.base = make_retrieval(self.base_name, **opts)
-        self.estimates_page_mass = bool(
-            self.base.estimates_page_mass
-        )  # unread_pages="scored" uses the base's
+        # unread_pages uses the base's mass estimates ("scored") and key means ("centroid") where it has them
+        self.estimates_page_mass = bool(self.base.estimates_page_mass)
+        self.keeps_key_means = bool(self.base.keeps_key_means)
         if record_format not in ("auto", *SUMMARY_FORMATS):
             raise ConfigError(
                 f"router2: record_format must be 'auto', 'float' or 'compact', got {record_format!r}"
@@ -501,6 +501,9 @@ class Router2Retrieval(RetrievalPolicy):
 
     def score_pages(self, ctx: DecodeContext) -> torch.Tensor:
         return self._scores(ctx)[1]
+
+    def page_key_means(self, summaries: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return self.base.page_key_means(self._base_summaries(summaries))
 
     def page_log_mass(self, ctx: DecodeContext) -> torch.Tensor | None:
         """The base's estimate of each page's log attention mass (OVAL / LOCKS: its low-rank record; the
