@@ -108,9 +108,10 @@ def page_raw_lowrank_compact_naive(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Per-query-head LOCKS / OVAL page scores of a compact record (B, Hkv, G, P): the scores of the
-    dequantised record (`scoring_operands`) under the float definition above, computed on the stored levels. The basis is unpacked to its nibbles (level + 8) and multiplied
-    by the query as they are, the + 8 taken off the (P, G, R) product, and the column, coefficient and
-    centroid scales multiply the products, never the unpacked basis."""
+    dequantised record (`scoring_operands`) under the float definition above, computed on the stored
+    levels. The basis is unpacked to its nibbles (level + 8) and multiplied by the query as they are, the + 8
+    taken off the (P, G, R) product, and the column, coefficient and centroid scales multiply the products,
+    never the unpacked basis."""
     mu_q, basis_q, coef_q = record["mu_q"], record["basis_q"], record["coef_q"]
     B, Hq, D = q.shape
     Hkv, P = mu_q.shape[1], mu_q.shape[2]

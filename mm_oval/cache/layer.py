@@ -50,7 +50,8 @@ class PagedLayer(CacheLayerMixin):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
-        # each closed page's keys' and values' means ("k", "v"; "v" only with "scored"), with unread_pages (summaries.py)
+        # with unread_pages, each closed page's values' mean ("v") and, where the retrieval record holds no key
+        # mean, its keys' ("k"): summaries.py
         self.page_means: dict[str, torch.Tensor] = {}
         self.phase = "empty"  # empty -> prefill (full prompt stored) -> decode (compressed + appended)
         self.logical_len = 0

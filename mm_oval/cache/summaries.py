@@ -52,7 +52,7 @@ def summarize(layer: Any, first: int, stop: int) -> None:
     slot_src = layer.slot_src
     unread, policy = layer.owner.config.unread_pages, layer.owner.retrieval
     # the keys' mean only where the retrieval record does not already hold it (OVAL / LOCKS keep it)
-    own_keys = unread == "centroid" and not policy.keeps_key_means
+    own_keys = unread == "centroid" and not getattr(policy, "keeps_key_means", False)
     means = ("k", "v") if own_keys else ("v",) if unread != "skip" else ()
     for a in range(first, stop, step):
         b = min(stop, a + step)
