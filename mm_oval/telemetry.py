@@ -51,9 +51,9 @@ def allocated_bytes(cache: Any) -> dict[str, int]:
     for layer in layers:  # first: a view of the KV storage elsewhere is still KV
         c.add("kv", [getattr(layer, name, None) for name in _KV_ATTRS])
     for layer in layers:
-        c.add("summaries", [getattr(layer, "summaries", None), getattr(layer, "page_means", None)])
+        c.add("summaries", [getattr(layer, n, None) for n in ("summaries", "page_means", "value_query")])
     for layer in layers:
-        skip = ("owner", "module", "summaries", "page_means", *_KV_ATTRS)
+        skip = ("owner", "module", "summaries", "page_means", "value_query", *_KV_ATTRS)
         c.add("metadata", {k: v for k, v in vars(layer).items() if k not in skip})
     skip = ("layers", "config", "eviction", "retrieval", "request", "step")
     c.add("metadata", {k: v for k, v in vars(cache).items() if k not in skip})

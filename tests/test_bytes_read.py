@@ -699,3 +699,44 @@ def test_every_decode_backend_returns_the_log_sum_exp_of_the_slots_it_reads(tiny
     for name, (out, lse) in got.items():
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5, msg=name)
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_scored_weighs_each_pages_values_by_the_prompts_last_queries_attention(tiny_lm):
+    """With `unread_pages="scored"` a page's values' mean is weighted by the attention the prompt's last
+    VALUE_WINDOW queries pay its tokens (softmax within the page, averaged over the window and the KV head's
+    query heads): equal keys give the plain mean, a query that singles out one token gives its value, and
+    the means kept at prefill are those of the model's own last queries (to int8 rounding)."""
+    from mm_oval.cache.summaries import VALUE_WINDOW, attended_value_means, page_mean
+    from mm_oval.wrapper import prefill
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 1, 2, 4, 8, generator=g)
+    values = torch.randn(1, 1, 2, 4, 8, generator=g)
+    keys[0, 0, 0] = keys[0, 0, 0, :1]  # page 0: equal keys
+    mask = torch.ones(1, 1, 2, 4, dtype=torch.bool)
+    mask[0, 0, 1, 3] = False  # page 1 one token short
+    query = torch.zeros(1, 2, 3, 8)
+    query[..., :] = 50 * keys[0, 0, 1, 2]  # every reference query singles out page 1's third token
+    got = attended_value_means(values, keys, mask, query)
+    torch.testing.assert_close(got[0, 0, 0], values[0, 0, 0].mean(0))
+    torch.testing.assert_close(got[0, 0, 1], values[0, 0, 1, 2], rtol=1e-3, atol=1e-3)
+
+    ids = torch.randint(1, 300, (1, 300), generator=torch.Generator().manual_seed(0))
+    with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages="scored"):
+        cache = prefill(tiny_lm, input_ids=ids)
+        layer = cache.layers[2]
+        st = layer.store
+        B, H, L, D = st.keys.shape
+        Hq = tiny_lm.config.num_attention_heads
+        assert layer.value_query.shape == (B, Hq, VALUE_WINDOW, D)
+        P_s = layer.page_means["v"].shape[2]
+        kept = page_mean(layer, "v")
+    q = layer.value_query.reshape(B, H, -1, D)
+    for p in range(P_s):
+        for h in range(H):
+            slots = (st.slot_page[0, h] == p) & st.slot_valid[0, h]
+            if not bool(slots.any()):
+                continue
+            w = torch.softmax(q[0, h] @ st.keys[0, h, slots].T, -1).mean(0)
+            want = w @ st.values[0, h, slots]
+            torch.testing.assert_close(kept[0, h, p], want, rtol=0, atol=float(want.abs().max()) / 120)

@@ -53,6 +53,8 @@ class PagedLayer(CacheLayerMixin):
         # with unread_pages, each closed page's values' mean ("v") and, where the retrieval record holds no key
         # mean, its keys' ("k"): summaries.py
         self.page_means: dict[str, torch.Tensor] = {}
+        # unread_pages="scored": the prompt's last queries (times the scaling) that weigh the values' means
+        self.value_query: torch.Tensor | None = None
         self.phase = "empty"  # empty -> prefill (full prompt stored) -> decode (compressed + appended)
         self.logical_len = 0
 
@@ -112,7 +114,7 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.store = self.telemetry = None
+        self.keys = self.values = self.store = self.telemetry = self.value_query = None
         self.page_means = {}
         self.phase = "empty"
         self.logical_len = 0

@@ -18,6 +18,7 @@ from ..errors import ConfigError, DataError
 from ..pages import dynamic_labels, kept_labels, layout_pages
 from .request import choose_kept
 from .storage import PageStore
+from .summaries import VALUE_WINDOW
 from .telemetry import ReadTelemetry
 
 
@@ -35,6 +36,8 @@ def finish_prefill(layer: Any, query: torch.Tensor, module: Any, scaling: float)
             f"{layer.layer_idx} got {N} tokens for batch {B}"
         )
     valid = (info.modality != PAD).unsqueeze(1).expand(B, H, N)
+    if owner.retrieval is not None and owner.config.unread_pages == "scored":  # the values' means' weights
+        layer.value_query = query[:, :, -VALUE_WINDOW:].float() * scaling
     hidden = owner.step.attention_inputs.pop(layer.layer_idx, None)  # kept when the policy asks for it
     keep = choose_tokens(layer, query, module, scaling, hidden, valid)
     if keep is None:  # scored; kept once every layer has scored
