@@ -1,18 +1,23 @@
 """How well do the unread pages' estimates (`unread_pages`) stand in for the pages a decode step does not
 read? Generates each item's answer under a retrieval configuration with `unread_pages` "centroid" or
 "scored" (question-agnostic, as the harness runs it) and, at every one-token decode step and layer, compares
-with exact attention over the same cache, per query head:
+with exact attention over the same cache, per query head, three estimates of the unread candidate pages:
 
-- the log attention mass of the unread candidate pages (exact, over their slots) against the two estimates:
-  `centroid` (each page's keys' mean plus the log of its token count: a lower bound, by Jensen) and `scored`
-  (the retrieval scorer's own estimate of each page's log-mass, OVAL / LOCKS's low-rank record);
-- the share of the step's attention the unread pages take (exact) against the share each estimate gives them
-  beside the exact attention over the pages read.
+- `centroid`: each page's keys' mean plus the log of its token count (a lower bound of its log-mass, by
+  Jensen), with its values' plain mean;
+- `scored_plain`: the retrieval scorer's own estimate of each page's log-mass (OVAL / LOCKS's low-rank
+  record), with the plain mean;
+- `scored` (what `unread_pages="scored"` serves; with it in the spec): the same mass, with the values
+  weighted by the prompt's last queries' attention (`summaries.attended_value_means`).
 
-The means are computed exactly here (no int8 rounding): the figures measure the estimators, not the storage.
+Per group of layers: the unread pages' share of the attention (exact, and each estimate's beside the exact
+attention over the pages read), the error of the values alone (the unread pages' output with each page's
+exact mass and its plain or attended values' mean, relative to the exact), and the error of the whole step's
+output (skipping the unread pages, or with each estimate, against exact attention over every slot). The
+means are computed exactly here (no int8 rounding): the figures measure the estimators, not the storage.
 A diagnostic: it reads every key at every step.
 
-    python benchmarks/probe_unread_estimate.py --task passkey_1k --data docs/results/seed4 --limit 10 \
+    python benchmarks/probe_unread_estimate.py --task passkey_1k --data train --limit 8 \
         --spec oval:read_bytes_budget=0.25,read_head_budget=shared,read_chunks=dense,unread_pages=scored
 """
 
@@ -29,12 +34,12 @@ from mm_oval.eval.tasks import get_task, resolve_data
 from mm_oval.eval.textgen import generate_text
 
 import mm_oval
-from mm_oval.cache import decode
+from mm_oval.cache import decode, summaries
 from mm_oval.config import OvalConfig
 from mm_oval.errors import MmOvalError
 from mm_oval.files import atomic_write_json
 
-ESTIMATES = ("centroid", "scored")
+ESTIMATES = ("centroid", "scored_plain", "scored")
 
 
 def step_errors(
@@ -62,23 +67,30 @@ def step_errors(
     ].float() * store.slot_valid.unsqueeze(-1)
     n = member.sum(2).clamp(min=1)  # (B, H, P_s)
     k_mean = torch.einsum("bhlp,bhld->bhpd", member, store.keys.float()) / n.unsqueeze(-1)
-    est = {
-        "centroid": torch.einsum("bhgd,bhpd->bhgp", q, k_mean) * scaling + n.log().unsqueeze(2),
-    }
+    values = store.values.float()
+    v_mean = torch.einsum("bhlp,bhld->bhpd", member, values) / n.unsqueeze(-1)
+    # each estimate: (its pages' logits, its pages' values)
+    est = {"centroid": (torch.einsum("bhgd,bhpd->bhgp", q, k_mean) * scaling + n.log().unsqueeze(2), v_mean)}
     policy = layer.owner.retrieval
+    v_att = None
     if getattr(policy, "estimates_page_mass", False):
-        est["scored"] = policy.page_log_mass(decode.decode_context(layer, query, scaling)).float()
+        record = policy.page_log_mass(decode.decode_context(layer, query, scaling)).float()
+        est["scored_plain"] = (record, v_mean)
+        if layer.value_query is not None:  # the values weighted by the prompt's last queries, exactly
+            batch = summaries._page_batch(layer, 0, P_s, summaries.page_width(layer, 0, P_s), layer.slot_src)
+            v_att = summaries.attended_value_means(batch.values, batch.keys, batch.mask, layer.value_query)
+            est["scored"] = (record, v_att)
     has = torch.isfinite(lse_true)  # heads with an unread page
     out = {"true_lse": lse_true[has], "true_share": torch.sigmoid(lse_true - lse_read)[has]}
     # the unread pages' output (their attention-weighted values, normalised over them): exact; and each
     # page's values' mean weighted by the exact page masses (the error of the values' means alone)
-    values = store.values.float()
     unread_logits = logits.masked_fill(~slot_unread.unsqueeze(2), float("-inf"))
     o_true = torch.softmax(unread_logits, -1).nan_to_num(0.0) @ values
-    v_mean = torch.einsum("bhlp,bhld->bhpd", member, values) / n.unsqueeze(-1)
     page_true = torch.softmax(unread_logits, -1).nan_to_num(0.0) @ member
     norm = o_true.norm(dim=-1).clamp_min(1e-6)
     out["mean_value_err"] = ((page_true @ v_mean - o_true).norm(dim=-1) / norm)[has]
+    if v_att is not None:
+        out["attended_value_err"] = ((page_true @ v_att - o_true).norm(dim=-1) / norm)[has]
     # the step's whole output: exact over every slot, and skipping the unread pages (the pages read only)
     read_logits = logits.masked_fill(~slot_read.unsqueeze(2), float("-inf"))
     o_read = torch.softmax(read_logits, -1).nan_to_num(0.0) @ values
@@ -86,12 +98,12 @@ def step_errors(
     o_all = (1 - share) * o_read + share * o_true
     all_norm = o_all.norm(dim=-1).clamp_min(1e-6)
     out["skip_step_err"] = ((o_read - o_all).norm(dim=-1) / all_norm)[has]
-    for name, page_logits in est.items():
+    for name, (page_logits, page_values) in est.items():
         page_logits = page_logits.masked_fill(~unread.unsqueeze(2), float("-inf"))
         lse = page_logits.logsumexp(-1)
         out[f"{name}_lse"] = lse[has]
         out[f"{name}_share"] = torch.sigmoid(lse - lse_read)[has]
-        o_est = torch.softmax(page_logits, -1).nan_to_num(0.0) @ v_mean
+        o_est = torch.softmax(page_logits, -1).nan_to_num(0.0) @ page_values
         out[f"{name}_out_err"] = ((o_est - o_true).norm(dim=-1) / norm)[has]
         s_est = torch.sigmoid(lse - lse_read).unsqueeze(-1)
         step = (1 - s_est) * o_read + s_est * o_est
@@ -131,6 +143,8 @@ def summarize(rows: dict[int, list[dict[str, torch.Tensor]]], groups: int = 6) -
             "true_share": float(cat["true_share"].mean()),
         }
         row["mean_value_err"] = float(cat["mean_value_err"].mean())
+        if "attended_value_err" in cat:
+            row["attended_value_err"] = float(cat["attended_value_err"].mean())
         row["skip_step_err"] = float(cat["skip_step_err"].mean())
         for name in ESTIMATES:
             if f"{name}_lse" in cat:
@@ -186,12 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = summarize(rows)
     print(f"{a.task} ({a.data}, {len(items)} items) under {a.spec}: score {sum(scores) / len(scores):.2f}")
-    cols = ["layers", "heads_steps", "true_share", "mean_value_err", "skip_step_err"] + [
-        f"{n}_{m}"
-        for n in ESTIMATES
-        for m in ("lse_bias", "share", "share_abs_err", "out_err", "step_err")
-        if f"{n}_{m}" in table[0]
-    ]
+    cols = ["layers", "heads_steps", "true_share", "mean_value_err"]
+    cols += (
+        ["attended_value_err"] * ("attended_value_err" in table[0])
+        + ["skip_step_err"]
+        + [
+            f"{n}_{m}"
+            for n in ESTIMATES
+            for m in ("lse_bias", "share", "share_abs_err", "out_err", "step_err")
+            if f"{n}_{m}" in table[0]
+        ]
+    )
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in table:
