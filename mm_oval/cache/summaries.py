@@ -74,8 +74,9 @@ def summarize(layer: Any, first: int, stop: int) -> None:
 
 # `unread_pages="scored"` weighs a page's values by the attention the prompt's last VALUE_WINDOW queries pay
 # its tokens (each query's softmax within the page, averaged over the window and the KV head's query heads).
-# On SmolLM2's training contexts that mean misses the unread pages' output by 0.32-0.34 of its norm, the
-# plain mean by 1.1, a window of one query by 0.49 (docs/results/smollm2.md)
+# On SmolLM2's training contexts that mean misses the unread pages' output by 0.35 / 0.37 of its norm (pass
+# key / message; benchmarks/probe_unread_estimate.py), the plain mean by 1.07 / 1.06; a window of the last
+# query alone did worse than 16 in a scratch run (docs/results/smollm2.md)
 VALUE_WINDOW = 16
 
 
