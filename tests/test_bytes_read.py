@@ -520,6 +520,31 @@ def test_read_layer_budget_divides_the_bytes_over_the_layers_and_keeps_the_total
         OvalConfig(read_layer_budget="d.json")
 
 
+def _dense_attention(store, query, scaling):
+    """(B, Hq, D): exact attention of the newest query row over every valid slot of `store`."""
+    B, H, _, D = store.keys.shape
+    Hq = query.shape[1]
+    logits = torch.einsum("bhgd,bhld->bhgl", query[:, :, 0].reshape(B, H, Hq // H, D), store.keys) * scaling
+    logits = logits.masked_fill(~store.slot_valid.unsqueeze(2), float("-inf"))
+    return torch.einsum("bhgl,bhld->bhgd", logits.softmax(-1), store.values).reshape(B, Hq, D)
+
+
+def _means_bytes_over_skip(model, ids, retrieval, unread):
+    """A 4-token generate with `unread_pages=unread` and with "skip": (the extra summary bytes read, the
+    candidate pages scanned), after checking both scanned the same candidates and the stats name the knob."""
+    summaries, candidates = {}, {}
+    for u in ("skip", unread):
+        with mm_oval.wrapped(model, retrieval=retrieval, read_budget=0.25, unread_pages=u):
+            cache = new_cache(model)
+            model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache=cache)
+            s = get_stats(model)
+        assert s["unread_pages"] == u
+        summaries[u] = s["bytes_read"]["total"]["summaries"]
+        candidates[u] = int(cache.counters["candidate_pages"])
+    assert candidates["skip"] == candidates[unread] > 0
+    return summaries[unread] - summaries["skip"], candidates[unread]
+
+
 def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_their_bytes(tiny_lm):
     """`unread_pages="centroid"`: a decode step attends over the pages it reads plus one token per unread
     candidate page (its keys' mean, weighted by its token count, and its values' mean). Where every page's
@@ -574,24 +599,12 @@ def test_unread_pages_centroid_adds_each_unread_page_as_its_means_and_counts_the
             mm_oval.unwrap(tiny_lm)
         cand = (st.page_len[..., :P_s] > 0) & ~st.page_pinned[..., :P_s]
         assert 0 < int((pages[..., :P_s] & cand).sum()) < int(cand.sum())  # some candidate pages unread
-        qg = query[:, :, 0].reshape(B, H, Hq // H, D)
-        logits = torch.einsum("bhgd,bhld->bhgl", qg, st.keys) * scaling
-        logits = logits.masked_fill(~st.slot_valid.unsqueeze(2), float("-inf"))
-        dense = torch.einsum("bhgl,bhld->bhgd", logits.softmax(-1), st.values).reshape(B, Hq, D)
+        dense = _dense_attention(st, query, scaling)
         torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(skipped, dense, rtol=1e-2, atol=1e-2)
-        summaries, candidates = {}, {}
-        for unread in ("skip", "centroid"):
-            with mm_oval.wrapped(tiny_lm, retrieval=retrieval, read_budget=0.25, unread_pages=unread):
-                cache = new_cache(tiny_lm)
-                tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache=cache)
-                s = get_stats(tiny_lm)
-            assert s["unread_pages"] == unread
-            summaries[unread] = s["bytes_read"]["total"]["summaries"]
-            candidates[unread] = int(cache.counters["candidate_pages"])
-        assert candidates["skip"] == candidates["centroid"] > 0
+        extra, candidates = _means_bytes_over_skip(tiny_lm, ids, retrieval, "centroid")
         per_page = len(kept) // 2 * (D + 2)  # an int8 mean and an fp16 scale for each mean kept
-        assert summaries["centroid"] - summaries["skip"] == candidates["centroid"] * per_page
+        assert extra == candidates * per_page
     # a later forward of several tokens read by retrieval (no estimate there) and the steps after it
     with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages="centroid"):
         cache = prefill(tiny_lm, input_ids=ids[:, :250])
@@ -647,23 +660,11 @@ def test_unread_pages_scored_weights_each_unread_page_by_the_scorers_mass_estima
             mm_oval.unwrap(tiny_lm)
         cand = (st.page_len[..., :P_s] > 0) & ~st.page_pinned[..., :P_s]
         assert 0 < int((pages[..., :P_s] & cand).sum()) < int(cand.sum())
-    qg = query[:, :, 0].reshape(B, H, Hq // H, D)
-    logits = torch.einsum("bhgd,bhld->bhgl", qg, st.keys) * scaling
-    logits = logits.masked_fill(~st.slot_valid.unsqueeze(2), float("-inf"))
-    dense = torch.einsum("bhgl,bhld->bhgd", logits.softmax(-1), st.values).reshape(B, Hq, D)
+    dense = _dense_attention(st, query, scaling)
     torch.testing.assert_close(outs["scored"], dense, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(outs["centroid"], dense, rtol=1e-2, atol=1e-2)
-    summaries, candidates = {}, {}
-    for unread in ("skip", "scored"):
-        with mm_oval.wrapped(tiny_lm, retrieval="oval", read_budget=0.25, unread_pages=unread):
-            cache = new_cache(tiny_lm)
-            tiny_lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache=cache)
-            s = get_stats(tiny_lm)
-        assert s["unread_pages"] == unread
-        summaries[unread] = s["bytes_read"]["total"]["summaries"]
-        candidates[unread] = int(cache.counters["candidate_pages"])
-    assert candidates["skip"] == candidates["scored"] > 0
-    assert summaries["scored"] - summaries["skip"] == candidates["scored"] * (D + 2)
+    extra, candidates = _means_bytes_over_skip(tiny_lm, ids, "oval", "scored")
+    assert extra == candidates * (D + 2)
     with pytest.raises(ConfigError, match="unread_pages='scored' needs a retrieval scorer"):
         mm_oval.wrap(tiny_lm, retrieval="quest", read_budget=0.25, unread_pages="scored")
     assert not mm_oval.is_wrapped(tiny_lm)  # a wrap that fails leaves the model as it was

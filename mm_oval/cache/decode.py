@@ -244,9 +244,9 @@ class MaskedDecode:
         B, Hq, _, D = query.shape
         H = store.keys.shape[1]
         qg = query.reshape(B, H, Hq // H, D).float()
-        slots = store.slot_valid & pages.gather(-1, store.slot_page.clamp(min=0))
+        slots = slot_mask(store, pages, 1)  # (B, H, 1, L)
         logits = torch.matmul(qg, store.keys.float().transpose(-1, -2)) * scaling
-        out, lse = _softmax_with_lse(logits.masked_fill(~slots.unsqueeze(2), float("-inf")), store.values)
+        out, lse = _softmax_with_lse(logits.masked_fill(~slots, float("-inf")), store.values)
         return out.reshape(B, 1, Hq, D).to(query.dtype), lse
 
 

@@ -98,18 +98,17 @@ def _append_means(layer: Any, batch: PageBatch, names: tuple[str, ...]) -> None:
     """Each page's keys' ("k") and values' ("v") means, those of `names`, appended to `layer.page_means`:
     what `unread_pages` reads of a page a step does not read (the values' mean; the keys' too with
     "centroid" when the retrieval record holds no key mean; with "scored" the values' mean is weighted by
-    the prompt's last queries' attention, `attended_value_means`, from `layer.value_query`). Stored compact, int8 with one fp16 scale per
-    page and KV head (`quantize_int8`, as the compact records' centroids): "k", "v" (B, Hkv, P, D) int8,
-    "k_scale", "v_scale" (B, Hkv, P) fp16."""
+    the prompt's last queries' attention, `attended_value_means`, from `layer.value_query`). Stored compact,
+    int8 with one fp16 scale per page and KV head (`quantize_int8`, as the compact records' centroids):
+    "k", "v" (B, Hkv, P, D) int8, "k_scale", "v_scale" (B, Hkv, P) fp16."""
     m = batch.mask.unsqueeze(-1).float()
     n = m.sum(-2).clamp(min=1)
-    ref = getattr(layer, "value_query", None)  # unread_pages="scored": the values weighted by attention
+    ref = layer.value_query  # unread_pages="scored": the values weighted by attention
     for name in names:
-        x = batch.keys if name == "k" else batch.values
         if name == "v" and ref is not None:
             mean = attended_value_means(batch.values, batch.keys, batch.mask, ref)
         else:
-            mean = (x.float() * m).sum(-2) / n
+            mean = ((batch.keys if name == "k" else batch.values).float() * m).sum(-2) / n
         q, scale = quantize_int8(mean, 1)
         for key, t in ((name, q), (f"{name}_scale", scale)):
             old = layer.page_means.get(key)

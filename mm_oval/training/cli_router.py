@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("mass", "error"),
         default="mass",
         help="router v2: what a page is worth reading: its exact attention mass, or (error) how far its exact "
-        "contribution to the output is from the base's estimate of it (unread_pages='scored')",
+        "contribution to the output is from the base's mass estimate times its values' plain mean",
     )
     parser.add_argument("--resume", action="store_true", help="router v2: continue the run in --out")
     add_load_arguments(parser, device=False)  # --device above: the router trains where the model is

@@ -617,9 +617,10 @@ def capture_router2_data(
     the previous position's. `teacher`:
     - "mass": the page's attention mass (exact softmax over the prefix, group mean);
     - "error": what reading the page exactly changes in the step's output when the pages not read enter as
-      `unread_pages="scored"` makes them (the base's estimate of the page's log-mass with its values'
-      mean): the norm of the page's exact contribution to the output minus that estimate's, both over the
-      exact normaliser, group mean. The base must estimate page masses (OVAL, LOCKS)."""
+      the base's estimate of their log-mass with their values' plain mean (the first version of
+      `unread_pages="scored"`; the one served now weighs the values by the prompt's last queries'
+      attention): the norm of the page's exact contribution to the output minus that estimate's, both over
+      the exact normaliser, group mean. The base must estimate page masses (OVAL, LOCKS)."""
     if teacher not in TEACHERS:
         raise ConfigError(f"router2 capture: teacher must be one of {TEACHERS}, got {teacher!r}")
     if teacher == "error" and not base.estimates_page_mass:
