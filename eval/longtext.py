@@ -24,8 +24,8 @@ Kinds (each generated at about 1k, 2k and 4k tokens of context, SmolLM2's tokeni
 
 The task registry (`TASKS` in eval/tasks.py) holds the kinds and lengths SmolLM2-135M-Instruct answers with
 the full cache at >= 80: `passkey_1k`, `needle_1k`, `message_1k`, `duo_1k` (docs/results/smollm2.md has the
-measurements; at ~2k tokens it scores 0-70). The generator makes every kind at every length (KVP's text
-traces draw from them).
+measurements; at ~2k tokens it scores 0-70, the pass key at ~4k 0). The generator makes every kind at
+every length (KVP's text traces draw from them).
 
 Data: a folder (or the file itself) with `longtext.json`, {"seed": int, "per_length": int, "lengths":
 {"1k": sentences, ...}}, or `--data bundled` / `bundled576` for the project's own spec; the items are

@@ -151,7 +151,7 @@ TASKS: dict[str, str] = {
     "pope": "mm_oval.eval.pope:POPETask",
     "objlist": "mm_oval.eval.objlist:ObjListTask",
     # long-context text tasks (plain language models): <kind>_<length>, the kinds and lengths SmolLM2-135M-
-    # Instruct answers at >= 80 with the full cache (docs/results/smollm2.md: at ~2k tokens it scores 0-70);
+    # Instruct answers at >= 80 with the full cache (docs/results/smollm2.md: ~2k: 0-70, ~4k pass key: 0);
     # eval/longtext.py generates the others too (2k and 4k; doorkeys, keylist, trio), for KVP's text traces
     **{
         f"{kind}_{length}": f"mm_oval.eval.longtext:{kind.capitalize()}{length.upper()}Task"
